@@ -1,0 +1,2 @@
+pub mod bench;
+pub mod fixtures;
