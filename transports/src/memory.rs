@@ -1,0 +1,314 @@
+//! Registered memory: the one place that touches raw bytes.
+//!
+//! A [`Region`] is a page-aligned span of host memory the engine owns (allocated here) or
+//! adopts (the caller's, under the rules on [`Region::adopt`]). Peers write into it like a NIC
+//! writes into DMA memory, so the engine never hands out Rust references into a region that
+//! outlive one copy or one system call; everything goes through the bounds-checked methods
+//! below. Whether a peer may touch a range at all is decided elsewhere (grants); this module
+//! only guarantees that every access stays inside live memory.
+//!
+//! Soundness, once for the whole module:
+//! - `ptr..ptr+len` is valid for reads and writes for the region's whole life: allocated by us
+//!   with `alloc_zeroed` and freed only in `Drop`, or adopted under a contract that keeps it valid
+//!   until the release callback runs (also only in `Drop`). Everything that accesses a region
+//!   holds an `Arc<Region>`, so the memory outlives every access.
+//! - Every access is bounds-checked with overflow-checked arithmetic before the pointer is formed.
+//! - Bytes have no invalid values, so racing accesses (a local read while a misbehaving peer
+//!   writes the same range) can give unspecified bytes but never an invalid value; grants
+//!   exclude such races in correct use, exactly as with RDMA hardware.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ptr::NonNull;
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// The page size regions are aligned to.
+pub const PAGE_SIZE: usize = 4096;
+
+enum Owner {
+    /// Allocated here with this layout.
+    Engine(Layout),
+    /// Adopted from the caller; the callback returns it.
+    Caller(Option<Box<dyn FnOnce() + Send + Sync>>),
+}
+
+/// A span of registered host memory.
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    owner: Owner,
+    locked: bool,
+}
+
+// SAFETY: a Region is a pointer to memory that stays valid for its whole life (see the module
+// docs); all access goes through bounds-checked copies of plain bytes, so sharing or sending it
+// between threads cannot produce an invalid value or a use after free.
+unsafe impl Send for Region {}
+// SAFETY: as for Send.
+unsafe impl Sync for Region {}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("len", &self.len)
+            .field("adopted", &matches!(self.owner, Owner::Caller(_)))
+            .field("locked", &self.locked)
+            .finish()
+    }
+}
+
+impl Region {
+    /// Allocates `len` zeroed bytes, page-aligned. With `lock`, the pages are also locked in
+    /// RAM (mlock) where the process is allowed to; failure to lock is not an error, since
+    /// pinning is an optimisation here, and [`Region::is_locked`] says whether it happened.
+    pub fn allocate(len: usize, lock: bool) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                "cannot register 0 bytes",
+            ));
+        }
+        let size = len.checked_next_multiple_of(PAGE_SIZE).ok_or_else(|| {
+            Error::new(ErrorKind::InvalidLength, format!("{len} bytes overflows"))
+        })?;
+        let layout = Layout::from_size_align(size, PAGE_SIZE)
+            .map_err(|e| Error::new(ErrorKind::InvalidLength, format!("{len} bytes: {e}")))?;
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Resource,
+                format!("allocating {len} bytes failed"),
+            )
+        })?;
+        let mut region = Self {
+            ptr,
+            len,
+            owner: Owner::Engine(layout),
+            locked: false,
+        };
+        if lock {
+            region.locked = region.mlock();
+        }
+        Ok(region)
+    }
+
+    /// Adopts caller-owned memory.
+    ///
+    /// # Safety
+    /// - `ptr` must be page-aligned (checked) and valid for reads and writes of `len` bytes
+    ///   until `release` is called; the engine calls it exactly once, when the last user of the
+    ///   region (the buffer handle, a grant, an in-flight transfer) is gone, which may be after
+    ///   the buffer was unregistered.
+    /// - Until then the caller must not free or reuse the memory, and must access it only
+    ///   through the engine (its buffer handle), never through its own references.
+    pub unsafe fn adopt(
+        ptr: *mut u8,
+        len: usize,
+        release: impl FnOnce() + Send + Sync + 'static,
+    ) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                "cannot register 0 bytes",
+            ));
+        }
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::new(ErrorKind::InvalidLength, "null pointer"))?;
+        if ptr.as_ptr() as usize % PAGE_SIZE != 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                format!("{:p} is not {PAGE_SIZE}-byte aligned", ptr.as_ptr()),
+            ));
+        }
+        if (ptr.as_ptr() as usize).checked_add(len).is_none() {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                "address range overflows",
+            ));
+        }
+        Ok(Self {
+            ptr,
+            len,
+            owner: Owner::Caller(Some(Box::new(release))),
+            locked: false,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    /// The start address, for transports that register the region with a device (RDMA, CUDA).
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    /// Checks `offset..offset+len` lies inside the region.
+    pub fn check(&self, offset: u64, len: u64) -> Result<(usize, usize)> {
+        let end = offset.checked_add(len);
+        match end {
+            Some(end) if end <= self.len as u64 => Ok((offset as usize, len as usize)),
+            _ => Err(Error::new(
+                ErrorKind::OutOfBuffer,
+                format!(
+                    "offset {offset} + len {len} exceeds buffer length {}",
+                    self.len
+                ),
+            )),
+        }
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
+        let (off, len) = self.check(offset, src.len() as u64)?;
+        // SAFETY: off+len is inside the region (checked), src is a separate live slice.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), len) };
+        Ok(())
+    }
+
+    /// Copies from the region at `offset` into `dst`.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let (off, len) = self.check(offset, dst.len() as u64)?;
+        // SAFETY: off+len is inside the region (checked), dst is a separate live slice.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), len) };
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `self` at `src_off` to `dst` at `dst_off` (a local memcpy; the
+    /// loopback transport's data path). Overlap within one region is allowed.
+    pub fn copy_to(&self, src_off: u64, dst: &Region, dst_off: u64, len: u64) -> Result<()> {
+        let (s, n) = self.check(src_off, len)?;
+        let (d, _) = dst.check(dst_off, len)?;
+        // SAFETY: both ranges are inside their regions (checked); `copy` tolerates overlap,
+        // which can only happen when both are the same region.
+        unsafe { std::ptr::copy(self.ptr.as_ptr().add(s), dst.ptr.as_ptr().add(d), n) };
+        Ok(())
+    }
+
+    /// Lends `offset..offset+len` as a slice for the span of `f`: one system call that sends
+    /// from registered memory. `f` must not keep the slice.
+    pub fn with_slice<R>(&self, offset: u64, len: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let (off, len) = self.check(offset, len)?;
+        // SAFETY: inside the region (checked); the borrow ends with `f`.
+        let s = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) };
+        Ok(f(s))
+    }
+
+    /// Lends `offset..offset+len` mutably for the span of `f`: one system call that receives
+    /// straight into registered memory. `f` must not keep the slice.
+    pub fn with_mut_slice<R>(
+        &self,
+        offset: u64,
+        len: u64,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R> {
+        let (off, len) = self.check(offset, len)?;
+        // SAFETY: inside the region (checked); the borrow ends with `f`. Grants keep other
+        // writers off this range in correct use (see module docs for the racy case).
+        let s = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) };
+        Ok(f(s))
+    }
+
+    fn mlock(&self) -> bool {
+        // SAFETY: mlock only changes residency of pages we own; it never dereferences them.
+        unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) == 0 }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if self.locked {
+            // SAFETY: undoes our own mlock on memory that is still ours.
+            unsafe { libc::munlock(self.ptr.as_ptr().cast(), self.len) };
+        }
+        match &mut self.owner {
+            // SAFETY: allocated in `allocate` with exactly this layout, freed once, here.
+            Owner::Engine(layout) => unsafe { dealloc(self.ptr.as_ptr(), *layout) },
+            Owner::Caller(release) => {
+                if let Some(release) = release.take() {
+                    release();
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[test]
+    fn allocation_is_page_aligned_zeroed_and_bounds_checked() {
+        let r = Region::allocate(10_000, false).unwrap();
+        assert_eq!(r.addr() % PAGE_SIZE, 0);
+        let mut out = vec![1u8; 10_000];
+        r.read(0, &mut out).unwrap();
+        assert!(out.iter().all(|&b| b == 0));
+        r.write(9_998, &[7, 8]).unwrap();
+        assert_eq!(
+            r.write(9_999, &[7, 8]).unwrap_err().kind(),
+            ErrorKind::OutOfBuffer
+        );
+        assert_eq!(
+            r.check(u64::MAX, 2).unwrap_err().kind(),
+            ErrorKind::OutOfBuffer
+        );
+        assert_eq!(
+            Region::allocate(0, false).unwrap_err().kind(),
+            ErrorKind::InvalidLength
+        );
+    }
+
+    #[test]
+    fn copy_between_regions_is_exact() {
+        let a = Region::allocate(4096, false).unwrap();
+        let b = Region::allocate(4096, true).unwrap();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 31) as u8).collect();
+        a.write(0, &data).unwrap();
+        a.copy_to(100, &b, 200, 1000).unwrap();
+        let mut out = vec![0u8; 1000];
+        b.read(200, &mut out).unwrap();
+        assert_eq!(out, data[100..1100]);
+        assert_eq!(
+            a.copy_to(4000, &b, 0, 200).unwrap_err().kind(),
+            ErrorKind::OutOfBuffer
+        );
+    }
+
+    #[test]
+    fn adopted_memory_is_released_once_when_the_region_drops() {
+        let layout = Layout::from_size_align(8192, PAGE_SIZE).unwrap();
+        // SAFETY: test allocation with a non-zero layout.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        let released = Arc::new(AtomicBool::new(false));
+        let flag = released.clone();
+        let addr = ptr as usize;
+        // SAFETY: ptr is valid for 8192 bytes until the release callback frees it.
+        let r = unsafe {
+            Region::adopt(ptr, 8192, move || {
+                flag.store(true, Ordering::SeqCst);
+                // SAFETY: allocated above with this layout; released exactly once.
+                unsafe { dealloc(addr as *mut u8, layout) };
+            })
+        }
+        .unwrap();
+        r.write(8191, &[9]).unwrap();
+        assert!(!released.load(Ordering::SeqCst));
+        drop(r);
+        assert!(released.load(Ordering::SeqCst));
+        // SAFETY: misaligned pointer is refused before it is ever used.
+        let e = unsafe { Region::adopt(std::ptr::dangling_mut::<u8>(), 1, || {}) }.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidLength);
+    }
+}

@@ -1,0 +1,674 @@
+//! TCP: engines in other processes or on other hosts, over tokio.
+//!
+//! Payload bytes go straight between sockets and registered memory: the sender writes from
+//! its region (header and payload in one vectored write when they fit), the receiver reads
+//! the fixed header and then the payload directly into the granted range. The receiver holds
+//! the grant's fence for one non-blocking `read` at a time, so a revoke waits microseconds,
+//! never for the network, and bytes that arrive after it are read into a scratch buffer and
+//! dropped. Each link keeps a small pool of connections; slices of one request travel on
+//! several of them at once.
+
+pub mod frame;
+
+use std::io::{self, IoSlice};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::{JoinHandle, JoinSet};
+use tracing::{debug, warn};
+
+use crate::batch::Liveness;
+use crate::engine::EngineCore;
+use crate::error::{Error, ErrorKind, Result};
+use crate::grant::{GrantEntry, GrantRef};
+use crate::memory::Region;
+use crate::segment::SegmentDescriptor;
+use crate::transport::{BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+use frame::{FrameKind, HEADER_LEN, Header};
+
+/// TCP tuning.
+#[derive(Debug, Clone)]
+pub struct TcpConfig {
+    /// Largest slice one frame carries.
+    pub slice_size: u64,
+    /// Connections per peer, which is also slices in flight per task.
+    pub streams: usize,
+    /// Largest payload this engine accepts in one frame (must be >= peers' slice size).
+    pub max_payload: u64,
+    pub connect_timeout: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            slice_size: 4 << 20,
+            streams: 2,
+            max_payload: 64 << 20,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Largest error or hello body we accept (descriptors are larger and only clients read them).
+const MAX_SMALL_BODY: u32 = 64 << 10;
+/// Largest descriptor reply a client reads.
+const MAX_DESCRIPTOR_BODY: u32 = frame::MAX_BODY;
+
+/// Counts one open connection in the engine's liveness while it exists.
+struct Counted(Arc<Liveness>);
+
+impl Counted {
+    fn new(live: &Arc<Liveness>) -> Self {
+        live.connections.fetch_add(1, Ordering::AcqRel);
+        Self(live.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec(&self.0.connections);
+    }
+}
+
+struct Conn {
+    stream: TcpStream,
+    _counted: Counted,
+}
+
+// ---------- socket helpers that work on `&TcpStream` ----------
+
+async fn read_exact(stream: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        stream.readable().await?;
+        match stream.try_read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+async fn write_all(stream: &TcpStream, parts: &[&[u8]]) -> io::Result<()> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut sent = 0;
+    while sent < total {
+        stream.writable().await?;
+        let mut skip = sent;
+        let slices: Vec<IoSlice<'_>> = parts
+            .iter()
+            .filter_map(|p| {
+                if skip >= p.len() {
+                    skip -= p.len();
+                    None
+                } else {
+                    let s = IoSlice::new(&p[skip..]);
+                    skip = 0;
+                    Some(s)
+                }
+            })
+            .collect();
+        match stream.try_write_vectored(&slices) {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Why a transfer between a socket and memory stopped.
+enum Stop {
+    Io(io::Error),
+    /// The grant was revoked; `remaining` payload bytes are still on the wire.
+    Revoked(Error, u64),
+}
+
+/// Sends `head` then `len` bytes of `region` at `offset`, in as few system calls as possible.
+/// With a fence, each system call runs under a pin of that grant.
+async fn send_from(
+    stream: &TcpStream,
+    head: &[u8],
+    region: &Region,
+    offset: u64,
+    len: u64,
+    fence: Option<&Arc<GrantEntry>>,
+) -> std::result::Result<(), Stop> {
+    let mut head_sent = 0usize;
+    let mut sent = 0u64;
+    while head_sent < head.len() || sent < len {
+        stream.writable().await.map_err(Stop::Io)?;
+        let _pin = match fence {
+            Some(f) => Some(f.pin().map_err(|e| Stop::Revoked(e, len - sent))?),
+            None => None,
+        };
+        let r = region
+            .with_slice(offset + sent, len - sent, |data| {
+                if head_sent < head.len() {
+                    stream
+                        .try_write_vectored(&[IoSlice::new(&head[head_sent..]), IoSlice::new(data)])
+                } else {
+                    stream.try_write(data)
+                }
+            })
+            .map_err(|e| Stop::Io(io::Error::other(e.to_string())))?;
+        match r {
+            Ok(mut n) => {
+                let h = n.min(head.len() - head_sent);
+                head_sent += h;
+                n -= h;
+                sent += n as u64;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(Stop::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Receives `len` bytes straight into `region` at `offset`. With a fence, each `read` runs
+/// under a pin of that grant; once it is revoked, no further byte lands.
+async fn recv_into(
+    stream: &TcpStream,
+    region: &Region,
+    offset: u64,
+    len: u64,
+    fence: Option<&Arc<GrantEntry>>,
+) -> std::result::Result<(), Stop> {
+    let mut got = 0u64;
+    while got < len {
+        stream.readable().await.map_err(Stop::Io)?;
+        let _pin = match fence {
+            Some(f) => Some(f.pin().map_err(|e| Stop::Revoked(e, len - got))?),
+            None => None,
+        };
+        let r = region
+            .with_mut_slice(offset + got, len - got, |dst| stream.try_read(dst))
+            .map_err(|e| Stop::Io(io::Error::other(e.to_string())))?;
+        match r {
+            Ok(0) => return Err(Stop::Io(io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n as u64,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(Stop::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and drops `len` payload bytes (refused or fenced writes) with bounded memory.
+async fn discard(stream: &TcpStream, mut len: u64) -> io::Result<()> {
+    let mut scratch = vec![0u8; 64 << 10];
+    while len > 0 {
+        let n = len.min(scratch.len() as u64) as usize;
+        read_exact(stream, &mut scratch[..n]).await?;
+        len -= n as u64;
+    }
+    Ok(())
+}
+
+async fn read_header(stream: &TcpStream, max_payload: u64) -> Result<Header> {
+    let mut hb = [0u8; HEADER_LEN];
+    read_exact(stream, &mut hb)
+        .await
+        .map_err(|e| Error::io(e, "reading frame header"))?;
+    Header::decode(&hb, max_payload)
+}
+
+async fn read_body(stream: &TcpStream, h: &Header, limit: u32) -> Result<Vec<u8>> {
+    if h.body_len > limit {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            format!("{:?} body of {} bytes exceeds {limit}", h.kind, h.body_len),
+        ));
+    }
+    let mut body = vec![0u8; h.body_len as usize];
+    read_exact(stream, &mut body)
+        .await
+        .map_err(|e| Error::io(e, "reading frame body"))?;
+    Ok(body)
+}
+
+async fn send_error(stream: &TcpStream, req_id: u64, err: &Error) -> io::Result<()> {
+    let body = frame::error_body(err);
+    let h = Header {
+        body_len: body.len() as u32,
+        ..Header::new(FrameKind::Error, req_id)
+    };
+    write_all(stream, &[&h.encode(), &body]).await
+}
+
+// ---------- server: serves this engine's memory to peers ----------
+
+/// Accepts connections and serves grant-checked writes, reads and descriptors. Dropping it
+/// closes the listener and every connection.
+pub(crate) struct TcpServer {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Drop for TcpServer {
+    fn drop(&mut self) {
+        // Aborting the accept loop drops its JoinSet, which aborts every connection task.
+        self.task.abort();
+    }
+}
+
+impl TcpServer {
+    pub async fn bind(addr: SocketAddr, core: Arc<EngineCore>, cfg: TcpConfig) -> Result<Self> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::io(e, &format!("binding {addr}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io(e, "local_addr"))?;
+        let task = tokio::spawn(async move {
+            let mut conns = JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, from)) => {
+                            let _ = stream.set_nodelay(true);
+                            let conn = Conn { stream, _counted: Counted::new(&core.live) };
+                            conns.spawn(serve(core.clone(), conn, from, cfg.clone()));
+                        }
+                        Err(e) => warn!(engine = %core.name, error = %e, "accept failed"),
+                    },
+                    Some(_) = conns.join_next(), if !conns.is_empty() => {}
+                }
+            }
+        });
+        Ok(Self { addr, task })
+    }
+}
+
+async fn serve(core: Arc<EngineCore>, conn: Conn, from: SocketAddr, cfg: TcpConfig) {
+    let stream = &conn.stream;
+    let mut peer = from.to_string();
+    loop {
+        let h = match read_header(stream, cfg.max_payload).await {
+            Ok(h) => h,
+            Err(e) if e.kind() == ErrorKind::Malformed => {
+                warn!(engine = %core.name, peer = %peer, error = %e, "refusing connection: malformed frame");
+                let _ = send_error(stream, 0, &e).await;
+                return;
+            }
+            Err(e) => {
+                debug!(engine = %core.name, peer = %peer, error = %e, "connection closed");
+                return;
+            }
+        };
+        let result = match h.kind {
+            FrameKind::Hello => match read_body(stream, &h, 255).await {
+                Ok(body) => match std::str::from_utf8(&body)
+                    .map_err(|e| e.to_string())
+                    .and_then(|s| {
+                        crate::segment::validate_name(s)
+                            .map(|_| s.to_owned())
+                            .map_err(|e| e.to_string())
+                    }) {
+                    Ok(name) => {
+                        debug!(engine = %core.name, peer = %name, addr = %from, "peer connected");
+                        peer = name;
+                        Ok(())
+                    }
+                    Err(e) => Err(Error::new(ErrorKind::Malformed, format!("hello: {e}"))),
+                },
+                Err(e) => Err(e),
+            },
+            FrameKind::Describe => {
+                let body = core.descriptor().to_bytes();
+                let r = Header {
+                    body_len: body.len() as u32,
+                    ..Header::new(FrameKind::DescribeReply, h.req_id)
+                };
+                write_all(stream, &[&r.encode(), &body])
+                    .await
+                    .map_err(|e| Error::io(e, "describe reply"))
+            }
+            FrameKind::Write => serve_write(&core, stream, &h).await,
+            FrameKind::Read => serve_read(&core, stream, &h).await,
+            other => Err(Error::new(
+                ErrorKind::Malformed,
+                format!("a client must not send {other:?}"),
+            )),
+        };
+        if let Err(e) = result {
+            if e.kind() == ErrorKind::Malformed {
+                warn!(engine = %core.name, peer = %peer, error = %e, "refusing connection: malformed frame");
+                let _ = send_error(stream, h.req_id, &e).await;
+            } else {
+                debug!(engine = %core.name, peer = %peer, error = %e, "connection closed");
+            }
+            return;
+        }
+    }
+}
+
+fn wire(h: &Header) -> GrantRef {
+    GrantRef {
+        buffer: h.buffer,
+        epoch: h.epoch,
+        token: h.token,
+    }
+}
+
+/// One write: check the grant, then payload straight into memory, then the ack. A refused
+/// write's payload is drained so the connection stays usable for the peer's next slice.
+/// Returns Err only when the connection must close.
+async fn serve_write(core: &EngineCore, stream: &TcpStream, h: &Header) -> Result<()> {
+    let refused = match core.admit(OpKind::Write.access(), wire(h), h.offset, h.len) {
+        Ok((region, adm)) => {
+            match recv_into(stream, &region, adm.buffer_offset, h.len, Some(&adm.entry)).await {
+                Ok(()) => {
+                    let ack = Header::new(FrameKind::WriteAck, h.req_id).encode();
+                    return write_all(stream, &[&ack])
+                        .await
+                        .map_err(|e| Error::io(e, "write ack"));
+                }
+                Err(Stop::Io(e)) => return Err(Error::io(e, "receiving payload")),
+                Err(Stop::Revoked(e, remaining)) => {
+                    discard(stream, remaining)
+                        .await
+                        .map_err(|e| Error::io(e, "draining fenced payload"))?;
+                    e
+                }
+            }
+        }
+        Err(e) => {
+            discard(stream, h.len)
+                .await
+                .map_err(|e| Error::io(e, "draining refused payload"))?;
+            e
+        }
+    };
+    debug!(engine = %core.name, error = %refused, "write refused");
+    send_error(stream, h.req_id, &refused)
+        .await
+        .map_err(|e| Error::io(e, "error reply"))
+}
+
+async fn serve_read(core: &EngineCore, stream: &TcpStream, h: &Header) -> Result<()> {
+    let (region, adm) = match core.admit(OpKind::Read.access(), wire(h), h.offset, h.len) {
+        Ok(x) => x,
+        Err(e) => {
+            debug!(engine = %core.name, error = %e, "read refused");
+            return send_error(stream, h.req_id, &e)
+                .await
+                .map_err(|e| Error::io(e, "error reply"));
+        }
+    };
+    let head = Header {
+        len: h.len,
+        ..Header::new(FrameKind::ReadData, h.req_id)
+    }
+    .encode();
+    match send_from(
+        stream,
+        &head,
+        &region,
+        adm.buffer_offset,
+        h.len,
+        Some(&adm.entry),
+    )
+    .await
+    {
+        Ok(()) => Ok(()),
+        Err(Stop::Io(e)) => Err(Error::io(e, "sending read data")),
+        // The header promised `len` bytes; closing is the only honest way to stop now.
+        Err(Stop::Revoked(e, _)) => Err(e),
+    }
+}
+
+// ---------- client: reaches peers' memory ----------
+
+/// Connects to peers that publish a TCP endpoint.
+pub struct TcpTransport {
+    cfg: TcpConfig,
+    local_name: String,
+    live: Arc<Liveness>,
+}
+
+impl TcpTransport {
+    pub(crate) fn new(cfg: TcpConfig, local_name: String, live: Arc<Liveness>) -> Self {
+        Self {
+            cfg,
+            local_name,
+            live,
+        }
+    }
+}
+
+async fn dial(
+    addr: SocketAddr,
+    local_name: &str,
+    cfg: &TcpConfig,
+    live: &Arc<Liveness>,
+) -> Result<Conn> {
+    let stream = tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::Unreachable,
+                format!("connecting to {addr} timed out"),
+            )
+        })?
+        .map_err(|e| {
+            let e = Error::io(e, &format!("connecting to {addr}"));
+            if e.kind() == ErrorKind::Io {
+                Error::new(ErrorKind::Unreachable, e.detail())
+            } else {
+                e
+            }
+        })?;
+    let _ = stream.set_nodelay(true);
+    let body = local_name.as_bytes();
+    let h = Header {
+        body_len: body.len() as u32,
+        ..Header::new(FrameKind::Hello, 0)
+    };
+    write_all(&stream, &[&h.encode(), body])
+        .await
+        .map_err(|e| Error::io(e, "hello"))?;
+    Ok(Conn {
+        stream,
+        _counted: Counted::new(live),
+    })
+}
+
+/// Asks the engine at `addr` for its descriptor (the peer-to-peer handshake).
+pub(crate) async fn describe(
+    addr: SocketAddr,
+    local_name: &str,
+    cfg: &TcpConfig,
+    live: &Arc<Liveness>,
+) -> Result<SegmentDescriptor> {
+    let conn = dial(addr, local_name, cfg, live).await?;
+    let s = &conn.stream;
+    write_all(s, &[&Header::new(FrameKind::Describe, 1).encode()])
+        .await
+        .map_err(|e| Error::io(e, "describe"))?;
+    let h = read_header(s, 0).await?;
+    match h.kind {
+        FrameKind::DescribeReply => {
+            let body = read_body(s, &h, MAX_DESCRIPTOR_BODY).await?;
+            SegmentDescriptor::from_bytes(&body)
+        }
+        FrameKind::Error => Err(frame::decode_error_body(
+            &read_body(s, &h, MAX_SMALL_BODY).await?,
+        )),
+        k => Err(Error::new(
+            ErrorKind::Malformed,
+            format!("expected DescribeReply, got {k:?}"),
+        )),
+    }
+    .map_err(|e| e.with_peer(addr.to_string()))
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn reaches(&self, peer: &SegmentDescriptor) -> bool {
+        peer.tcp.is_some()
+    }
+
+    fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
+        let cfg = self.cfg.clone();
+        let local_name = self.local_name.clone();
+        let live = self.live.clone();
+        Box::pin(async move {
+            let addr = peer.tcp.ok_or_else(|| {
+                Error::new(ErrorKind::NoTransport, "peer has no tcp endpoint").with_peer(&peer.name)
+            })?;
+            // Connect once now, so an unreachable peer fails here and the log line names a
+            // real local address.
+            let first = dial(addr, &local_name, &cfg, &live)
+                .await
+                .map_err(|e| e.with_peer(&peer.name))?;
+            let local = first
+                .stream
+                .local_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_default();
+            Ok(Arc::new(TcpLink(Arc::new(LinkShared {
+                addr,
+                device: format!("{local}->{addr}"),
+                peer: peer.name,
+                local_name,
+                slots: Semaphore::new(cfg.streams.max(1)),
+                idle: Mutex::new(vec![first]),
+                next_req: AtomicU64::new(1),
+                cfg,
+                live,
+            }))) as Arc<dyn Link>)
+        })
+    }
+}
+
+struct TcpLink(Arc<LinkShared>);
+
+struct LinkShared {
+    addr: SocketAddr,
+    device: String,
+    peer: String,
+    local_name: String,
+    cfg: TcpConfig,
+    /// Bounds connections (and so slices in flight) to this peer.
+    slots: Semaphore,
+    idle: Mutex<Vec<Conn>>,
+    next_req: AtomicU64,
+    live: Arc<Liveness>,
+}
+
+impl LinkShared {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn execute(&self, op: SliceOp) -> Result<()> {
+        let _slot = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| Error::new(ErrorKind::EngineClosed, "link closed"))?;
+        let pooled = self.idle().pop();
+        let conn = match pooled {
+            Some(c) => c,
+            None => dial(self.addr, &self.local_name, &self.cfg, &self.live).await?,
+        };
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        // If this future is dropped mid-slice, `conn` drops with it: a half-sent frame never
+        // goes back into the pool.
+        match run_slice(&conn, req, &op, self.cfg.max_payload).await {
+            Ok(reply) => {
+                self.idle().push(conn);
+                reply
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Runs one slice on one connection. `Ok(Err(e))` is a clean refusal from the peer (the
+/// connection is still in sync and can be reused); `Err(e)` means the connection is done.
+async fn run_slice(c: &Conn, req: u64, op: &SliceOp, max_payload: u64) -> Result<Result<()>> {
+    let s = &c.stream;
+    let h = Header {
+        buffer: op.grant.buffer,
+        epoch: op.grant.epoch,
+        token: op.grant.token,
+        offset: op.grant_offset,
+        len: op.len,
+        ..Header::new(
+            if op.kind == OpKind::Write {
+                FrameKind::Write
+            } else {
+                FrameKind::Read
+            },
+            req,
+        )
+    }
+    .encode();
+    match op.kind {
+        OpKind::Write => match send_from(s, &h, &op.local, op.local_offset, op.len, None).await {
+            Ok(()) => {}
+            Err(Stop::Io(e)) => return Err(Error::io(e, "sending payload")),
+            Err(Stop::Revoked(e, _)) => return Err(e),
+        },
+        OpKind::Read => write_all(s, &[&h])
+            .await
+            .map_err(|e| Error::io(e, "sending read request"))?,
+    }
+    let r = read_header(s, max_payload.max(op.len)).await?;
+    if r.req_id != req {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            format!("reply for request {} while waiting for {req}", r.req_id),
+        ));
+    }
+    match (op.kind, r.kind) {
+        (OpKind::Write, FrameKind::WriteAck) => Ok(Ok(())),
+        (OpKind::Read, FrameKind::ReadData) if r.len == op.len => {
+            match recv_into(s, &op.local, op.local_offset, op.len, None).await {
+                Ok(()) => Ok(Ok(())),
+                Err(Stop::Io(e)) => Err(Error::io(e, "receiving read data")),
+                Err(Stop::Revoked(e, _)) => Err(e),
+            }
+        }
+        (_, FrameKind::Error) => Ok(Err(frame::decode_error_body(
+            &read_body(s, &r, MAX_SMALL_BODY).await?,
+        ))),
+        (k, got) => Err(Error::new(
+            ErrorKind::Malformed,
+            format!("unexpected {got:?} (len {}) in reply to {k}", r.len),
+        )),
+    }
+}
+
+impl Link for TcpLink {
+    fn info(&self) -> LinkInfo {
+        LinkInfo {
+            transport: "tcp",
+            device: self.0.device.clone(),
+        }
+    }
+
+    fn slicing(&self) -> Slicing {
+        Slicing {
+            slice_size: self.0.cfg.slice_size,
+            in_flight: self.0.cfg.streams.max(1),
+        }
+    }
+
+    fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
+        let link = self.0.clone();
+        Box::pin(async move { link.execute(op).await.map_err(|e| e.with_peer(&link.peer)) })
+    }
+}
