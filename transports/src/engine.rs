@@ -939,6 +939,10 @@ async fn run_task(inner: Arc<EngineInner>, batch: Arc<BatchShared>, i: usize, p:
     let latency = started.elapsed();
     span.record("latency_us", latency.as_micros() as u64);
     span.in_scope(|| debug!(outcome = ?outcome, "transfer ended"));
+    // Release the local range and the task count before reporting, so that whoever sees the
+    // terminal state finds the buffer free and the engine idle.
+    drop(p);
+    drop(_alive);
     batch.finish(i, outcome);
 }
 

@@ -341,19 +341,24 @@ impl GrantTable {
         len: u64,
     ) -> Result<Admitted> {
         let now = Instant::now();
-        let entry = self.by_epoch.get(&wire.epoch).cloned().ok_or_else(|| {
-            Error::new(
-                ErrorKind::UnknownGrant,
-                format!(
-                    "no grant with epoch {} (never issued, revoked or released)",
-                    wire.epoch
-                ),
-            )
-        })?;
+        let Some(entry) = self.by_epoch.get(&wire.epoch).cloned() else {
+            // Epochs only grow, so an absent one at or below the last issued was revoked.
+            return Err(if wire.epoch != 0 && wire.epoch <= self.next_epoch {
+                Error::new(
+                    ErrorKind::GrantRevoked,
+                    format!("grant epoch {} was revoked or expired", wire.epoch),
+                )
+            } else {
+                Error::new(
+                    ErrorKind::UnknownGrant,
+                    format!("no grant with epoch {} was ever issued", wire.epoch),
+                )
+            });
+        };
         if entry.lease {
             return Err(Error::new(
                 ErrorKind::UnknownGrant,
-                format!("no grant with epoch {}", wire.epoch),
+                format!("epoch {} is not a peer grant", wire.epoch),
             ));
         }
         let g = &entry.grant;
@@ -580,7 +585,7 @@ mod tests {
         assert_eq!(adm.entry.pin().unwrap_err().kind(), ErrorKind::GrantRevoked);
         assert_eq!(
             t.admit(Access::Write, g.wire(), 0, 1).unwrap_err().kind(),
-            ErrorKind::UnknownGrant
+            ErrorKind::GrantRevoked
         );
         assert_eq!(t.live(), 0);
         assert_eq!(t.granted_bytes(), 0);

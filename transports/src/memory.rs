@@ -299,7 +299,7 @@ mod tests {
             Region::adopt(ptr, 8192, move || {
                 flag.store(true, Ordering::SeqCst);
                 // SAFETY: allocated above with this layout; released exactly once.
-                unsafe { dealloc(addr as *mut u8, layout) };
+                dealloc(addr as *mut u8, layout);
             })
         }
         .unwrap();

@@ -1,0 +1,565 @@
+//! Engine behaviour, every case written once and run over each transport it applies to.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use omnirig_transports::{
+    Access, Engine, EngineConfig, ErrorKind, InProcessStore, Request, TaskState, TransportPolicy,
+};
+use rstest::rstest;
+
+const T: Option<Duration> = Some(Duration::from_secs(60));
+
+async fn assert_idle(e: &Engine) {
+    let u = idle(e).await;
+    assert_eq!(
+        (u.grants, u.granted_bytes, u.batches, u.tasks, u.leases),
+        (0, 0, 0, 0, 0),
+        "{u:?}"
+    );
+}
+
+#[rstest]
+#[case::one_byte(1)]
+#[case::page(4096)]
+#[case::mib_plus_3((1 << 20) + 3)]
+#[case::mib_64(64 << 20)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_and_reads_are_bit_exact(
+    #[values("loopback", "tcp")] transport: &'static str,
+    #[case] size: usize,
+) {
+    let e = engines(transport, 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let data = pattern(size as u64, size);
+    let pad = 8192;
+    let src = a.allocate((size + pad) as u64).unwrap();
+    src.write(5, &data).unwrap();
+    let dst = b.allocate((size + pad) as u64).unwrap();
+    dst.write(0, &vec![CANARY; size + pad]).unwrap();
+
+    // Write: a pushes into b's granted range.
+    let g = b.grant(&dst, 4096, size as u64, Access::Write).unwrap();
+    a.transfer(vec![Request::write(&src, 5, &g, 0, size as u64)], T)
+        .await
+        .unwrap();
+    assert!(b.revoke(&g));
+    let mut got = vec![0u8; size + pad];
+    dst.read(0, &mut got).unwrap();
+    assert!(got[4096..4096 + size] == data[..], "written bytes differ");
+    assert!(
+        got[..4096]
+            .iter()
+            .chain(&got[4096 + size..])
+            .all(|&x| x == CANARY),
+        "bytes outside the grant changed"
+    );
+
+    // Read: a pulls the same range back from b into another offset.
+    let g = b.grant(&dst, 4096, size as u64, Access::Read).unwrap();
+    let back = a.allocate((size + pad) as u64).unwrap();
+    a.transfer(vec![Request::read(&back, 3, &g, 0, size as u64)], T)
+        .await
+        .unwrap();
+    b.revoke(&g);
+    let mut round = vec![0u8; size];
+    back.read(3, &mut round).unwrap();
+    assert!(round == data, "read bytes differ");
+
+    assert_idle(a).await;
+    assert_idle(b).await;
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_batches_between_several_engines(
+    #[values("loopback", "tcp")] transport: &'static str,
+) {
+    const N: usize = 4;
+    const TASKS: usize = 4;
+    let e = engines(transport, N).await;
+    let size = |i: usize, j: usize, t: usize| (300 << 10) + 7 * (i * 100 + j * 10 + t);
+    // Each engine j owns one destination buffer with a slot per (sender, task).
+    let slot = 400 << 10;
+    let dsts: Vec<_> = e
+        .iter()
+        .map(|x| x.allocate((N * TASKS * slot) as u64).unwrap())
+        .collect();
+    let mut jobs = Vec::new();
+    for (i, a) in e.iter().enumerate() {
+        for (j, b) in e.iter().enumerate() {
+            if i == j {
+                continue;
+            }
+            let mut reqs = Vec::new();
+            let mut grants = Vec::new();
+            for t in 0..TASKS {
+                let n = size(i, j, t);
+                let src = a.allocate(n as u64).unwrap();
+                src.write(0, &pattern((i * 1000 + j * 10 + t) as u64, n))
+                    .unwrap();
+                let g = b
+                    .grant(
+                        &dsts[j],
+                        ((i * TASKS + t) * slot) as u64,
+                        n as u64,
+                        Access::Write,
+                    )
+                    .unwrap();
+                reqs.push(Request::write(&src, 0, &g, 0, n as u64));
+                grants.push(g);
+            }
+            jobs.push(async move {
+                let batch = a.submit(reqs, T).await.unwrap();
+                batch.wait_all().await.unwrap();
+                assert!(batch.statuses().iter().all(|s| *s == TaskState::Completed));
+                for g in &grants {
+                    assert!(b.revoke(g));
+                }
+            });
+        }
+    }
+    futures_util::future::join_all(jobs).await;
+    for (j, dst) in dsts.iter().enumerate() {
+        for i in (0..N).filter(|&i| i != j) {
+            for t in 0..TASKS {
+                let n = size(i, j, t);
+                let mut got = vec![0u8; n];
+                dst.read(((i * TASKS + t) * slot) as u64, &mut got).unwrap();
+                assert!(
+                    got == pattern((i * 1000 + j * 10 + t) as u64, n),
+                    "{i}->{j} task {t} differs"
+                );
+            }
+        }
+    }
+    for x in &e {
+        assert_idle(x).await;
+    }
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_outside_a_grant_are_refused_and_touch_nothing(
+    #[values("loopback", "tcp")] transport: &'static str,
+) {
+    let e = engines(transport, 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let src = a.allocate(1 << 16).unwrap();
+    src.write(0, &pattern(1, 1 << 16)).unwrap();
+    let dst = b.allocate(1 << 16).unwrap();
+    dst.write(0, &vec![CANARY; 1 << 16]).unwrap();
+    let g = b.grant(&dst, 4096, 4096, Access::Write).unwrap();
+
+    // Caught before submit: the request names its batch and task.
+    let err = a
+        .submit(
+            vec![
+                Request::write(&src, 0, &g, 0, 16),
+                Request::write(&src, 0, &g, 4000, 200),
+            ],
+            T,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfGrant);
+    assert_eq!(err.task(), Some(1));
+    assert_eq!(err.grant().map(|g| g.epoch), Some(g.epoch));
+
+    // A sender that lies about the grant's size gets past its own checks; the receiver refuses.
+    let mut forged = g.clone();
+    forged.len = 1 << 16;
+    let err = a
+        .transfer(vec![Request::write(&src, 0, &forged, 0, 8192)], T)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfGrant, "{err}");
+    assert_eq!((err.task(), err.peer()), (Some(0), Some(b.name())));
+    // A forged token and a write to a read-only grant are refused the same way.
+    let mut forged = g.clone();
+    forged.token ^= 1;
+    let err = a
+        .transfer(vec![Request::write(&src, 0, &forged, 0, 16)], T)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BadToken, "{err}");
+    let ro = b.grant(&dst, 0, 4096, Access::Read).unwrap();
+    let mut forged = ro.clone();
+    forged.access = Access::Write;
+    let err = a
+        .transfer(vec![Request::write(&src, 0, &forged, 0, 16)], T)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::AccessDenied, "{err}");
+    b.revoke(&ro);
+    b.revoke(&g);
+
+    let mut got = vec![0u8; 1 << 16];
+    dst.read(0, &mut got).unwrap();
+    assert!(
+        got.iter().all(|&x| x == CANARY),
+        "a refused write touched the destination"
+    );
+    assert_idle(a).await;
+    assert_idle(b).await;
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
+    #[values("loopback", "tcp")] transport: &'static str,
+) {
+    let e = engines(transport, 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let src = a.allocate(1 << 20).unwrap();
+    src.write(0, &pattern(2, 1 << 20)).unwrap();
+    let dst = b.allocate(1 << 20).unwrap();
+    dst.write(0, &vec![CANARY; 1 << 20]).unwrap();
+    let g = b.grant(&dst, 0, 1 << 20, Access::Write).unwrap();
+    assert!(b.revoke(&g));
+    assert!(
+        !b.revoke(&g),
+        "revoking twice reports the grant was not live"
+    );
+    let err = a
+        .transfer(vec![Request::write(&src, 0, &g, 0, 1 << 20)], T)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::GrantRevoked, "{err}");
+    assert_eq!(err.grant().map(|x| x.epoch), Some(g.epoch));
+    let mut got = vec![0u8; 1 << 20];
+    dst.read(0, &mut got).unwrap();
+    assert!(got.iter().all(|&x| x == CANARY));
+    assert_idle(a).await;
+    assert_idle(b).await;
+}
+
+/// The deadline passes while a slice is held up; the batch ends TimedOut, the receiver's
+/// grant expires with it, and when the held slice finally arrives it is fenced off.
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_times_out_frees_everything_and_fences_the_late_write(
+    #[values("loopback", "tcp")] transport: &'static str,
+) {
+    let store = InProcessStore::new();
+    let gate = Gate::new(0);
+    let a = Engine::new(config(&unique("a"), transport, &store).decorator(gate.decorator()))
+        .await
+        .unwrap();
+    let b = Engine::new(config(&unique("b"), transport, &store))
+        .await
+        .unwrap();
+    let a_base = a.usage();
+    let src = a.allocate(256 << 10).unwrap();
+    src.write(0, &pattern(3, 256 << 10)).unwrap();
+    let dst = b.allocate(256 << 10).unwrap();
+    dst.write(0, &vec![CANARY; 256 << 10]).unwrap();
+    let ttl = Duration::from_millis(300);
+    let g = b.grant_for(&dst, 0, 256 << 10, Access::Write, ttl).unwrap();
+
+    let started = Instant::now();
+    let batch = a
+        .submit(vec![Request::write(&src, 0, &g, 0, 256 << 10)], Some(ttl))
+        .await
+        .unwrap();
+    gate.wait_parked(1).await;
+    let err = batch.wait_all().await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TimedOut);
+    assert_eq!((err.batch(), err.task()), (Some(batch.id()), Some(0)));
+    assert!(started.elapsed() >= ttl);
+    assert_eq!(batch.status(0), Some(TaskState::TimedOut));
+    batch.free();
+
+    // The grant expired with the deadline: nothing of b's pool is held any more.
+    let u = b.usage();
+    assert_eq!((u.grants, u.granted_bytes), (0, 0), "{u:?}");
+    assert_idle(&a).await;
+
+    // Now the held slice arrives: refused, and not one byte lands.
+    gate.open();
+    let late = gate.wait_ran(1).await;
+    assert_eq!(
+        late[0].as_ref().unwrap_err().kind(),
+        ErrorKind::GrantRevoked
+    );
+    let mut got = vec![0u8; 256 << 10];
+    dst.read(0, &mut got).unwrap();
+    assert!(
+        got.iter().all(|&x| x == CANARY),
+        "a late write reached revoked memory"
+    );
+    let u = idle(&a).await;
+    assert_eq!(
+        (u.buffers, u.registered_bytes),
+        (a_base.buffers + 1, 256 << 10)
+    );
+    assert_idle(&b).await;
+}
+
+/// The receiving engine goes away between two slices of one transfer.
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
+    #[values("loopback", "tcp")] transport: &'static str,
+) {
+    let store = InProcessStore::new();
+    let gate = Gate::new(1);
+    let a = Engine::new(config(&unique("a"), transport, &store).decorator(gate.decorator()))
+        .await
+        .unwrap();
+    let b = Engine::new(config(&unique("b"), transport, &store))
+        .await
+        .unwrap();
+    let src = a.allocate(4 << 20).unwrap();
+    let dst = b.allocate(4 << 20).unwrap();
+    let g = b.grant(&dst, 0, 4 << 20, Access::Write).unwrap();
+    let batch = a
+        .submit(vec![Request::write(&src, 0, &g, 0, 4 << 20)], T)
+        .await
+        .unwrap();
+    gate.wait_parked(1).await;
+    assert_eq!(
+        batch.bytes_done(0),
+        1 << 20,
+        "the first slice landed before the drop"
+    );
+    drop(b);
+    let dropped = Instant::now();
+    gate.open();
+    let err = batch.wait_all().await.unwrap_err();
+    assert!(
+        dropped.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        dropped.elapsed()
+    );
+    assert_eq!(err.kind(), ErrorKind::PeerDisconnected, "{err}");
+    assert_eq!(err.task(), Some(0));
+    drop(batch);
+    let u = idle(&a).await;
+    assert_eq!(
+        (u.batches, u.tasks, u.leases, u.connections),
+        (0, 0, 0, 0),
+        "{u:?}"
+    );
+    // With the buffer no longer in use, it unregisters.
+    a.unregister(&src).unwrap();
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_buffers_refuse_to_unregister(#[values("loopback", "tcp")] transport: &'static str) {
+    let e = engines(transport, 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let dst = b.allocate(8192).unwrap();
+    let g = b.grant(&dst, 0, 4096, Access::Write).unwrap();
+    assert_eq!(
+        b.unregister(&dst).unwrap_err().kind(),
+        ErrorKind::BufferBusy
+    );
+    // The owner cannot read or write a range a peer may be writing.
+    assert_eq!(
+        dst.write(100, &[1]).unwrap_err().kind(),
+        ErrorKind::GrantOverlap
+    );
+    dst.write(4096, &[1]).unwrap();
+    b.revoke(&g);
+    b.unregister(&dst).unwrap();
+    assert_eq!(
+        b.unregister(&dst).unwrap_err().kind(),
+        ErrorKind::UnknownBuffer
+    );
+    assert_eq!(
+        b.grant(&dst, 0, 1, Access::Write).unwrap_err().kind(),
+        ErrorKind::UnknownBuffer
+    );
+    let _ = a;
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_errors_that_name_them(
+    #[values("loopback", "tcp")] transport: &'static str,
+) {
+    let e = engines(transport, 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let src = a.allocate(4096).unwrap();
+    let dst = b.allocate(4096).unwrap();
+    let g = b.grant(&dst, 0, 4096, Access::Write).unwrap();
+    let kind_and_task = |r: omnirig_transports::Result<_>| {
+        let e = r.unwrap_err();
+        (e.kind(), e.task())
+    };
+    let ok = Request::write(&src, 0, &g, 0, 1);
+    let zero = Request::write(&src, 0, &g, 0, 0);
+    assert_eq!(
+        kind_and_task(a.submit(vec![ok.clone(), zero], T).await),
+        (ErrorKind::InvalidLength, Some(1))
+    );
+    let overflow = Request {
+        grant_offset: u64::MAX,
+        ..ok.clone()
+    };
+    assert_eq!(
+        kind_and_task(a.submit(vec![overflow], T).await),
+        (ErrorKind::OutOfGrant, Some(0))
+    );
+    let outside_local = Request {
+        local_offset: 4095,
+        len: 2,
+        ..ok.clone()
+    };
+    assert_eq!(
+        kind_and_task(a.submit(vec![outside_local], T).await),
+        (ErrorKind::OutOfBuffer, Some(0))
+    );
+    let unknown_local = Request {
+        local: 999,
+        ..ok.clone()
+    };
+    assert_eq!(
+        kind_and_task(a.submit(vec![unknown_local], T).await),
+        (ErrorKind::UnknownBuffer, Some(0))
+    );
+    let wrong_way = Request::read(&src, 0, &g, 0, 1);
+    assert_eq!(
+        kind_and_task(a.submit(vec![wrong_way], T).await),
+        (ErrorKind::AccessDenied, Some(0))
+    );
+    let mut nowhere = g.clone();
+    nowhere.segment = "nobody-published-this".into();
+    let err = a
+        .transfer(vec![Request::write(&src, 0, &nowhere, 0, 1)], T)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.kind(), err.peer()),
+        (ErrorKind::UnknownSegment, Some("nobody-published-this"))
+    );
+    b.revoke(&g);
+    assert_idle(a).await;
+    assert_idle(b).await;
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freeing_a_running_batch_cancels_and_releases(
+    #[values("loopback", "tcp")] transport: &'static str,
+) {
+    let store = InProcessStore::new();
+    let gate = Gate::new(0);
+    let a = Engine::new(config(&unique("a"), transport, &store).decorator(gate.decorator()))
+        .await
+        .unwrap();
+    let b = Engine::new(config(&unique("b"), transport, &store))
+        .await
+        .unwrap();
+    let src = a.allocate(4096).unwrap();
+    let dst = b.allocate(4096).unwrap();
+    let g = b.grant(&dst, 0, 4096, Access::Write).unwrap();
+    let batch = a
+        .submit(vec![Request::write(&src, 0, &g, 0, 4096)], None)
+        .await
+        .unwrap();
+    gate.wait_parked(1).await;
+    assert_eq!(batch.status(0), Some(TaskState::Pending));
+    batch.cancel();
+    assert_eq!(batch.wait().await, vec![TaskState::Canceled]);
+    drop(batch);
+    assert_idle(&a).await;
+    // A canceled transfer's source is released: the buffer can go.
+    a.unregister(&src).unwrap();
+    b.revoke(&g);
+    gate.open();
+    assert_eq!(
+        gate.wait_ran(1).await[0].as_ref().unwrap_err().kind(),
+        ErrorKind::GrantRevoked
+    );
+}
+
+/// Moves a few writes and returns the receiver's name; the callers check the log.
+async fn three_writes(transport: &'static str) -> String {
+    let e = engines(transport, 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let src = a.allocate(4096).unwrap();
+    let dst = b.allocate(4096).unwrap();
+    for _ in 0..3 {
+        let g = b.grant(&dst, 0, 4096, Access::Write).unwrap();
+        a.transfer(vec![Request::write(&src, 0, &g, 0, 4096)], T)
+            .await
+            .unwrap();
+        b.revoke(&g);
+    }
+    b.name().to_owned()
+}
+
+fn one_selection_line(lines: &[&str], transport: &str, peer: &str) -> Result<(), String> {
+    let expected = format!("transport=\"{transport}\"");
+    let selected: Vec<_> = lines
+        .iter()
+        .filter(|l| l.contains("selected transport") && l.contains(peer))
+        .collect();
+    match selected.as_slice() {
+        [line] if line.contains(&expected) => Ok(()),
+        other => Err(format!(
+            "expected one 'selected transport' line for {peer} with {expected}, got {other:?}"
+        )),
+    }
+}
+
+// tracing-test's capture does not compose with rstest's expansion, so one line per transport.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tracing_test::traced_test]
+async fn the_selected_transport_is_logged_once_per_peer_loopback() {
+    let peer = three_writes("loopback").await;
+    logs_assert(|lines: &[&str]| one_selection_line(lines, "loopback", &peer));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tracing_test::traced_test]
+async fn the_selected_transport_is_logged_once_per_peer_tcp() {
+    let peer = three_writes("tcp").await;
+    logs_assert(|lines: &[&str]| one_selection_line(lines, "tcp", &peer));
+}
+
+/// Peer-to-peer: no shared store, the sender asks the receiver itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_find_each_other_by_handshake_without_a_store() {
+    let a = Engine::new(
+        EngineConfig::new(unique("a"))
+            .store(InProcessStore::new())
+            .policy(TransportPolicy::Only("tcp")),
+    )
+    .await
+    .unwrap();
+    let b = Engine::new(EngineConfig::new(unique("b")).store(InProcessStore::new()))
+        .await
+        .unwrap();
+    let dst = b.allocate(1 << 20).unwrap();
+    let g = b.grant(&dst, 0, 1 << 20, Access::Write).unwrap();
+    let src = a.allocate(1 << 20).unwrap();
+    src.write(0, &pattern(9, 1 << 20)).unwrap();
+    // Unknown to a's store until the handshake.
+    let err = a
+        .transfer(vec![Request::write(&src, 0, &g, 0, 1 << 20)], T)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::UnknownSegment);
+    let info = a.connect_addr(b.tcp_addr().unwrap()).await.unwrap();
+    assert_eq!(info.transport, "tcp");
+    a.transfer(vec![Request::write(&src, 0, &g, 0, 1 << 20)], T)
+        .await
+        .unwrap();
+    b.revoke(&g);
+    let mut got = vec![0u8; 1 << 20];
+    dst.read(0, &mut got).unwrap();
+    assert!(got == pattern(9, 1 << 20));
+    // An address with nobody listening: a clear error, not a hang.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let err = a.connect_addr(closed).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unreachable, "{err}");
+}
