@@ -1,5 +1,6 @@
 //! The `omnirig` command line.
 
+mod bench;
 mod cli;
 
 use clap::{Parser, Subcommand};
@@ -7,20 +8,39 @@ use clap::{Parser, Subcommand};
 #[derive(Parser, Debug)]
 #[command(name = "omnirig", version, about = "Test and simulation rig for the disaggregated Qwen3-Omni data plane")]
 struct Cli {
+    /// More log output (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Benchmarks: transfer (engine vs physical baseline).
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCmd),
     /// Describe and export golden Qwen3-Omni fixtures.
     #[command(subcommand)]
     Fixtures(cli::fixtures::FixturesCmd),
 }
 
+fn init_logging(verbose: u8) {
+    use tracing_subscriber::EnvFilter;
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    init_logging(cli.verbose);
     match cli.cmd {
+        Cmd::Bench(cmd) => cli::bench::run(cmd),
         Cmd::Fixtures(cmd) => cli::fixtures::run(cmd),
     }
 }

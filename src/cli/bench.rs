@@ -1,1 +1,108 @@
 //! `omnirig bench ...`
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use omnirig_transports::TcpConfig;
+
+use crate::bench::{self, parse_sizes, peer, transfer};
+
+#[derive(clap::Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Write/read latency and bandwidth per size against the physical baseline
+    /// (memcpy for loopback, a plain TCP socket between two processes for tcp).
+    Transfer(TransferArgs),
+    /// (internal) The far side of a two-process benchmark.
+    #[command(hide = true)]
+    Peer(PeerArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct TransferArgs {
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: transfer::Which,
+    /// Sizes, comma separated, with K/M/G binary suffixes.
+    #[arg(long, default_value = "4K,64K,1M,16M,64M,256M")]
+    sizes: String,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Bytes to move per size and op; small sizes are capped by --max-iters.
+    #[arg(long, default_value = "2G")]
+    budget: String,
+    #[arg(long, default_value_t = 5)]
+    min_iters: usize,
+    #[arg(long, default_value_t = 2000)]
+    max_iters: usize,
+    /// TCP slice size (bytes per frame).
+    #[arg(long, default_value = "4M")]
+    slice_size: String,
+    /// TCP connections per peer (slices in flight per transfer).
+    #[arg(long, default_value_t = 2)]
+    streams: usize,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PeerArgs {
+    #[arg(long, value_enum)]
+    mode: peer::PeerMode,
+    #[arg(long)]
+    max_size: u64,
+    #[arg(long)]
+    slice_size: u64,
+    #[arg(long)]
+    max_payload: u64,
+}
+
+fn one_size(s: &str, what: &str) -> anyhow::Result<u64> {
+    match parse_sizes(s).with_context(|| format!("--{what}"))?.as_slice() {
+        [v] => Ok(*v),
+        _ => anyhow::bail!("--{what} takes one size"),
+    }
+}
+
+pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
+    match cmd {
+        BenchCmd::Transfer(a) => {
+            let slice_size = one_size(&a.slice_size, "slice-size")?;
+            let tcp = TcpConfig {
+                slice_size,
+                streams: a.streams,
+                max_payload: slice_size.max(TcpConfig::default().max_payload),
+                ..TcpConfig::default()
+            };
+            let opts = transfer::Options {
+                transport: a.transport,
+                sizes: parse_sizes(&a.sizes).context("--sizes")?,
+                budget: one_size(&a.budget, "budget")?,
+                min_iters: a.min_iters.max(1),
+                max_iters: a.max_iters.max(a.min_iters.max(1)),
+                tcp,
+            };
+            let results = transfer::run(&opts)?;
+            print!("{}", results.table());
+            for v in transfer::verdicts(&results) {
+                println!("{v}");
+            }
+            if let Some(path) = a.json {
+                write_json(&path, &results)?;
+            }
+            Ok(())
+        }
+        BenchCmd::Peer(p) => peer::serve(
+            p.mode,
+            p.max_size,
+            TcpConfig { slice_size: p.slice_size, max_payload: p.max_payload, ..TcpConfig::default() },
+        ),
+    }
+}
+
+pub fn write_json(path: &std::path::Path, results: &bench::Results) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(results)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}

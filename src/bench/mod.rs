@@ -1,0 +1,186 @@
+//! Benchmark suites and what they share: sizes, latency statistics, the JSON result shape
+//! (`rows` with `omnirig`, `baseline`, `ratio`), and the printed table.
+
+pub mod peer;
+pub mod transfer;
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+
+/// Parses "4K,64K,1M,16M" (binary multiples; a bare number is bytes).
+pub fn parse_sizes(s: &str) -> anyhow::Result<Vec<u64>> {
+    s.split(',')
+        .map(|part| {
+            let part = part.trim();
+            let (num, mult) = match part.char_indices().last() {
+                Some((i, 'K' | 'k')) => (&part[..i], 1u64 << 10),
+                Some((i, 'M' | 'm')) => (&part[..i], 1 << 20),
+                Some((i, 'G' | 'g')) => (&part[..i], 1 << 30),
+                _ => (part, 1),
+            };
+            let n: u64 = num.parse().with_context(|| format!("size {part:?}: expected e.g. 4K, 1M, 4096"))?;
+            let v = n.checked_mul(mult).with_context(|| format!("size {part:?} overflows"))?;
+            if v == 0 {
+                bail!("size {part:?} is zero");
+            }
+            Ok(v)
+        })
+        .collect()
+}
+
+pub fn human_size(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{}G", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}M", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{}K", n >> 10),
+        n => format!("{n}"),
+    }
+}
+
+/// Latency samples of one measured series.
+#[derive(Debug, Clone, Default)]
+pub struct Samples {
+    pub bytes_per_op: u64,
+    pub lat: Vec<Duration>,
+}
+
+impl Samples {
+    pub fn new(bytes_per_op: u64) -> Self {
+        Self { bytes_per_op, lat: Vec::new() }
+    }
+
+    pub fn push(&mut self, d: Duration) {
+        self.lat.push(d);
+    }
+
+    fn sorted_us(&self) -> Vec<f64> {
+        let mut v: Vec<f64> = self.lat.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v
+    }
+
+    /// Nearest-rank percentile, in microseconds.
+    pub fn percentile_us(&self, p: f64) -> f64 {
+        let v = self.sorted_us();
+        if v.is_empty() {
+            return f64::NAN;
+        }
+        let rank = ((p / 100.0) * v.len() as f64).ceil().max(1.0) as usize;
+        v[rank.min(v.len()) - 1]
+    }
+
+    /// Bytes moved over time spent moving them (one operation in flight).
+    pub fn gbps(&self) -> f64 {
+        let total: f64 = self.lat.iter().map(|d| d.as_secs_f64()).sum();
+        (self.bytes_per_op as f64 * self.lat.len() as f64) / total / 1e9
+    }
+
+    pub fn measured(&self) -> Measured {
+        Measured { gbps: self.gbps(), p50_us: self.percentile_us(50.0), p99_us: self.percentile_us(99.0) }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Measured {
+    pub gbps: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Baseline {
+    pub name: String,
+    pub gbps: f64,
+    pub p50_us: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Row {
+    pub op: String,
+    pub size: u64,
+    pub omnirig: Measured,
+    pub baseline: Baseline,
+    /// omnirig GB/s over baseline GB/s.
+    pub ratio: f64,
+}
+
+impl Row {
+    pub fn new(op: &str, size: u64, ours: &Samples, base_name: &str, base: &Samples) -> Self {
+        let b = base.measured();
+        let omnirig = ours.measured();
+        Row {
+            op: op.into(),
+            size,
+            ratio: omnirig.gbps / b.gbps,
+            omnirig,
+            baseline: Baseline { name: base_name.into(), gbps: b.gbps, p50_us: b.p50_us },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Results {
+    pub suite: String,
+    pub transport: String,
+    pub rows: Vec<Row>,
+}
+
+impl Results {
+    pub fn table(&self) -> String {
+        let mut s = format!(
+            "{:<6} {:>6} {:>10} {:>10} {:>10}   {:<12} {:>10} {:>10} {:>7}\n",
+            "op", "size", "GB/s", "p50 us", "p99 us", "baseline", "GB/s", "p50 us", "ratio"
+        );
+        for r in &self.rows {
+            s += &format!(
+                "{:<6} {:>6} {:>10.3} {:>10.1} {:>10.1}   {:<12} {:>10.3} {:>10.1} {:>7.3}\n",
+                r.op,
+                human_size(r.size),
+                r.omnirig.gbps,
+                r.omnirig.p50_us,
+                r.omnirig.p99_us,
+                r.baseline.name,
+                r.baseline.gbps,
+                r.baseline.p50_us,
+                r.ratio
+            );
+        }
+        s
+    }
+}
+
+/// How many operations to time for a size: enough bytes for a stable rate, enough samples
+/// for a p99, bounded so the largest sizes finish.
+pub fn iterations(size: u64, budget_bytes: u64, min: usize, max: usize) -> usize {
+    ((budget_bytes / size.max(1)) as usize).clamp(min, max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes_and_refuse_nonsense() {
+        assert_eq!(parse_sizes("4K,64K,1M,16M,1G,7").unwrap(), vec![4096, 65536, 1 << 20, 16 << 20, 1 << 30, 7]);
+        assert!(parse_sizes("0").is_err());
+        assert!(parse_sizes("4X").is_err());
+        assert!(parse_sizes("99999999999999999G").is_err());
+        assert_eq!(human_size(256 << 20), "256M");
+        assert_eq!(human_size(1000), "1000");
+    }
+
+    #[test]
+    fn percentiles_and_rate() {
+        let mut s = Samples::new(1000);
+        for us in 1..=100 {
+            s.push(Duration::from_micros(us));
+        }
+        assert_eq!(s.percentile_us(50.0), 50.0);
+        assert_eq!(s.percentile_us(99.0), 99.0);
+        assert_eq!(s.percentile_us(100.0), 100.0);
+        // 100 ops x 1000 B over 5050 us.
+        assert!((s.gbps() - 100_000.0 / 5050e-6 / 1e9).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,150 @@
+//! The far side of two-process benchmarks: a child `omnirig bench peer` that serves either an
+//! omnirig engine or a plain TCP socket, announces itself with one JSON line on stdout, and
+//! exits when its stdin closes (so it never outlives the benchmark).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, ChildStdin, Command, Stdio};
+
+use anyhow::{Context, bail};
+use omnirig_transports::{Access, Engine, EngineConfig, Grant, InProcessStore, TcpConfig};
+use serde::{Deserialize, Serialize};
+
+/// What a peer announces.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Hello {
+    pub addr: SocketAddr,
+    /// Engine mode: a write grant over one buffer and a read grant over another.
+    pub write_grant: Option<Grant>,
+    pub read_grant: Option<Grant>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PeerMode {
+    /// An omnirig engine serving grants over TCP.
+    Engine,
+    /// A plain TCP socket: the physical baseline.
+    Raw,
+}
+
+/// Raw protocol: 1 byte op ('W' or 'R') + u64 LE length; 'W' is followed by the payload and
+/// answered with one byte; 'R' is answered with the payload.
+pub const RAW_HEADER: usize = 9;
+
+fn announce(h: &Hello) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer(&mut out, h)?;
+    out.write_all(b"\n")?;
+    out.flush()?;
+    Ok(())
+}
+
+fn wait_for_stdin_eof() {
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().lock().read_to_end(&mut sink);
+}
+
+/// Runs the child side; returns when stdin closes.
+pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()> {
+    match mode {
+        PeerMode::Engine => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(async {
+                let name = format!("bench-peer-{}", std::process::id());
+                let engine = Engine::new(EngineConfig::new(name).store(InProcessStore::new()).tcp_config(tcp)).await?;
+                let wbuf = engine.allocate(max_size)?;
+                let rbuf = engine.allocate(max_size)?;
+                rbuf.fill(0, max_size, |b| b.iter_mut().enumerate().for_each(|(i, x)| *x = (i * 7 + 3) as u8))?;
+                let write_grant = engine.grant(&wbuf, 0, max_size, Access::Write)?;
+                let read_grant = engine.grant(&rbuf, 0, max_size, Access::Read)?;
+                announce(&Hello {
+                    addr: engine.tcp_addr().context("engine has no tcp endpoint")?,
+                    write_grant: Some(write_grant),
+                    read_grant: Some(read_grant),
+                })?;
+                tokio::task::spawn_blocking(wait_for_stdin_eof).await?;
+                anyhow::Ok(())
+            })
+        }
+        PeerMode::Raw => {
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            announce(&Hello { addr: listener.local_addr()?, write_grant: None, read_grant: None })?;
+            std::thread::spawn(move || {
+                wait_for_stdin_eof();
+                std::process::exit(0);
+            });
+            let mut buf = vec![0u8; max_size as usize];
+            loop {
+                let (mut s, _) = listener.accept()?;
+                s.set_nodelay(true)?;
+                // One client at a time; a closed connection goes back to accept.
+                let _ = raw_session(&mut s, &mut buf);
+            }
+        }
+    }
+}
+
+fn raw_session(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
+    let mut h = [0u8; RAW_HEADER];
+    loop {
+        s.read_exact(&mut h)?;
+        let len = u64::from_le_bytes(h[1..9].try_into().expect("8 bytes")) as usize;
+        if len > buf.len() {
+            return Err(std::io::Error::other("length over the peer's buffer"));
+        }
+        match h[0] {
+            b'W' => {
+                s.read_exact(&mut buf[..len])?;
+                s.write_all(&[1])?;
+            }
+            b'R' => s.write_all(&buf[..len])?,
+            _ => return Err(std::io::Error::other("unknown op")),
+        }
+    }
+}
+
+/// A running peer process; killed when dropped.
+pub struct PeerProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    pub hello: Hello,
+}
+
+impl PeerProcess {
+    pub fn spawn(mode: PeerMode, max_size: u64, tcp: &TcpConfig) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("locating the omnirig binary")?;
+        let mode = match mode {
+            PeerMode::Engine => "engine",
+            PeerMode::Raw => "raw",
+        };
+        let mut child = Command::new(exe)
+            .args(["bench", "peer", "--mode", mode, "--max-size", &max_size.to_string()])
+            .args(["--slice-size", &tcp.slice_size.to_string(), "--max-payload", &tcp.max_payload.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting the peer process")?;
+        let stdin = child.stdin.take();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().context("peer stdout")?).read_line(&mut line)?;
+        if line.is_empty() {
+            let status = child.wait()?;
+            bail!("the {mode} peer exited before announcing itself ({status})");
+        }
+        let hello: Hello = serde_json::from_str(&line).with_context(|| format!("peer announced {line:?}"))?;
+        Ok(Self { child, stdin, hello })
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        // Closing stdin asks it to exit; make sure it does.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}

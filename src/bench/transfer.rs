@@ -1,0 +1,224 @@
+//! `omnirig bench transfer`: write and read latency and bandwidth per size, against the
+//! physical baseline measured in the same run (memcpy for loopback, a plain TCP socket
+//! between two processes for tcp).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use omnirig_transports::memory::Region;
+use omnirig_transports::{
+    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig, TransportPolicy,
+};
+
+use super::peer::{PeerMode, PeerProcess, RAW_HEADER};
+use super::{Results, Row, Samples, human_size, iterations};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Which {
+    Loopback,
+    Tcp,
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub transport: Which,
+    pub sizes: Vec<u64>,
+    /// Bytes to move per size and op (bounds iterations for large sizes).
+    pub budget: u64,
+    pub min_iters: usize,
+    pub max_iters: usize,
+    pub tcp: TcpConfig,
+}
+
+const OP_TIMEOUT: Option<Duration> = Some(Duration::from_secs(120));
+
+fn progress(msg: &str) {
+    eprintln!("[bench transfer] {msg}");
+}
+
+pub fn run(o: &Options) -> anyhow::Result<Results> {
+    let max = *o.sizes.iter().max().context("no sizes")?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rows = match o.transport {
+        Which::Loopback => rt.block_on(loopback(o, max))?,
+        Which::Tcp => rt.block_on(tcp(o, max))?,
+    };
+    Ok(Results {
+        suite: "transfer".into(),
+        transport: match o.transport {
+            Which::Loopback => "loopback",
+            Which::Tcp => "tcp",
+        }
+        .into(),
+        rows,
+    })
+}
+
+/// Times `iters` transfers of one request (after a short warm-up).
+async fn time_engine(engine: &Engine, req: Request, iters: usize) -> anyhow::Result<Samples> {
+    let mut s = Samples::new(req.len);
+    for _ in 0..iters.min(3) {
+        engine.transfer(vec![req.clone()], OP_TIMEOUT).await?;
+    }
+    for _ in 0..iters {
+        let t = Instant::now();
+        engine.transfer(vec![req.clone()], OP_TIMEOUT).await?;
+        s.push(t.elapsed());
+    }
+    Ok(s)
+}
+
+async fn loopback(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
+    let store = InProcessStore::new();
+    let cfg = |n: &str| {
+        EngineConfig::new(n).store(store.clone()).policy(TransportPolicy::Only("loopback")).tcp_listen(None)
+    };
+    let a = Engine::new(cfg("bench-a")).await?;
+    let b = Engine::new(cfg("bench-b")).await?;
+    let src = a.allocate(max)?;
+    src.fill(0, max, |x| x.fill(0x5a))?;
+    let dst = b.allocate(max)?;
+    let wg = b.grant(&dst, 0, max, Access::Write)?;
+    let rsrc = b.allocate(max)?;
+    let rg = b.grant(&rsrc, 0, max, Access::Read)?;
+    let landing = a.allocate(max)?;
+    // The baseline: memcpy between two page-aligned buffers, reused, as the engine's are.
+    let msrc = Region::allocate(max as usize, false)?;
+    msrc.with_mut_slice(0, max, |b| b.fill(0x5a))?;
+    let mdst = Region::allocate(max as usize, false)?;
+    let mut rows = Vec::new();
+    for &size in &o.sizes {
+        let iters = iterations(size, o.budget, o.min_iters, o.max_iters);
+        progress(&format!("loopback {} x {iters}", human_size(size)));
+        let mut base = Samples::new(size);
+        for i in 0..iters + 3 {
+            let t = Instant::now();
+            msrc.copy_to(0, &mdst, 0, size)?;
+            std::hint::black_box(&mdst);
+            if i >= 3 {
+                base.push(t.elapsed());
+            }
+        }
+        let w = time_engine(&a, Request::write(&src, 0, &wg, 0, size), iters).await?;
+        rows.push(Row::new("write", size, &w, "memcpy", &base));
+        let r = time_engine(&a, Request::read(&landing, 0, &rg, 0, size), iters).await?;
+        rows.push(Row::new("read", size, &r, "memcpy", &base));
+    }
+    check_landed(&b, &dst, &wg, 0x5a, max)?;
+    Ok(rows)
+}
+
+/// Proves the benchmark moved real bytes: the destination holds what the source held.
+fn check_landed(owner: &Engine, dst: &Buffer, g: &Grant, byte: u8, max: u64) -> anyhow::Result<()> {
+    owner.revoke(g);
+    let ok = dst.view(0, max, |b| b.iter().all(|&x| x == byte))?;
+    if !ok {
+        bail!("destination bytes differ from the source after the benchmark");
+    }
+    Ok(())
+}
+
+/// Raw-socket round trips with reused buffers: the physical baseline for tcp.
+fn time_raw(s: &mut TcpStream, op: u8, buf: &mut [u8], iters: usize) -> anyhow::Result<Samples> {
+    let size = buf.len();
+    let mut h = [0u8; RAW_HEADER];
+    h[0] = op;
+    h[1..].copy_from_slice(&(size as u64).to_le_bytes());
+    let mut ack = [0u8; 1];
+    let mut samples = Samples::new(size as u64);
+    for i in 0..iters + 3 {
+        let t = Instant::now();
+        if op == b'W' {
+            // Header and payload in one call where it fits, as the engine does.
+            if size <= 64 << 10 {
+                let mut one = Vec::with_capacity(RAW_HEADER + size);
+                one.extend_from_slice(&h);
+                one.extend_from_slice(buf);
+                s.write_all(&one)?;
+            } else {
+                s.write_all(&h)?;
+                s.write_all(buf)?;
+            }
+            s.read_exact(&mut ack)?;
+        } else {
+            s.write_all(&h)?;
+            s.read_exact(buf)?;
+        }
+        if i >= 3 {
+            samples.push(t.elapsed());
+        }
+    }
+    Ok(samples)
+}
+
+async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
+    progress("starting peer processes (engine and raw socket)");
+    let engine_peer = PeerProcess::spawn(PeerMode::Engine, max, &o.tcp)?;
+    let raw_peer = PeerProcess::spawn(PeerMode::Raw, max, &o.tcp)?;
+    let a = Engine::new(
+        EngineConfig::new(format!("bench-{}", std::process::id()))
+            .store(InProcessStore::new())
+            .policy(TransportPolicy::Only("tcp"))
+            .tcp_config(o.tcp.clone()),
+    )
+    .await?;
+    let info = a.connect_addr(engine_peer.hello.addr).await?;
+    progress(&format!("engine peer over {} ({})", info.transport, info.device));
+    let wg = engine_peer.hello.write_grant.clone().context("peer sent no write grant")?;
+    let rg = engine_peer.hello.read_grant.clone().context("peer sent no read grant")?;
+    let src = a.allocate(max)?;
+    src.fill(0, max, |x| x.fill(0x5a))?;
+    let landing = a.allocate(max)?;
+    let mut raw = TcpStream::connect(raw_peer.hello.addr)?;
+    raw.set_nodelay(true)?;
+    let mut raw_buf = vec![0x5au8; max as usize];
+    let mut rows = Vec::new();
+    for &size in &o.sizes {
+        let iters = iterations(size, o.budget, o.min_iters, o.max_iters);
+        progress(&format!("tcp {} x {iters}", human_size(size)));
+        let bw = time_raw(&mut raw, b'W', &mut raw_buf[..size as usize], iters)?;
+        let w = time_engine(&a, Request::write(&src, 0, &wg, 0, size), iters).await?;
+        rows.push(Row::new("write", size, &w, "raw-socket", &bw));
+        let br = time_raw(&mut raw, b'R', &mut raw_buf[..size as usize], iters)?;
+        let r = time_engine(&a, Request::read(&landing, 0, &rg, 0, size), iters).await?;
+        rows.push(Row::new("read", size, &r, "raw-socket", &br));
+    }
+    // The peer fills its read buffer with (i * 7 + 3); the last read must have brought that.
+    let last = *o.sizes.last().expect("sizes");
+    let ok = landing.view(0, last, |b| b.iter().enumerate().all(|(i, &x)| x == (i * 7 + 3) as u8))?;
+    if !ok {
+        bail!("bytes read over tcp differ from the peer's buffer");
+    }
+    Ok(rows)
+}
+
+/// The targets, checked against this run's ratios (printed, never asserted).
+pub fn verdicts(r: &Results) -> Vec<String> {
+    let mut out = Vec::new();
+    let big: Vec<&Row> = r.rows.iter().filter(|x| x.size >= 1 << 20).collect();
+    if let Some(min) = big.iter().min_by(|a, b| a.ratio.total_cmp(&b.ratio)) {
+        let (base, need) = if r.transport == "tcp" { ("raw socket", 0.9) } else { ("memcpy", 0.9) };
+        out.push(format!(
+            "{} >= {need}x {base} at >= 1 MiB: {} (lowest {:.3}x: {} {})",
+            r.transport,
+            if min.ratio >= need { "met" } else { "MISSED" },
+            min.ratio,
+            min.op,
+            human_size(min.size)
+        ));
+    }
+    if r.transport == "tcp"
+        && let Some(w4k) = r.rows.iter().find(|x| x.op == "write" && x.size == 4096)
+    {
+        let lat = w4k.omnirig.p50_us / w4k.baseline.p50_us;
+        out.push(format!(
+            "tcp 4 KiB write round trip <= 1.3x raw socket: {} ({:.1} us vs {:.1} us p50 = {lat:.3}x)",
+            if lat <= 1.3 { "met" } else { "MISSED" },
+            w4k.omnirig.p50_us,
+            w4k.baseline.p50_us
+        ));
+    }
+    out
+}
