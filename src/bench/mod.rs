@@ -20,8 +20,12 @@ pub fn parse_sizes(s: &str) -> anyhow::Result<Vec<u64>> {
                 Some((i, 'G' | 'g')) => (&part[..i], 1 << 30),
                 _ => (part, 1),
             };
-            let n: u64 = num.parse().with_context(|| format!("size {part:?}: expected e.g. 4K, 1M, 4096"))?;
-            let v = n.checked_mul(mult).with_context(|| format!("size {part:?} overflows"))?;
+            let n: u64 = num
+                .parse()
+                .with_context(|| format!("size {part:?}: expected e.g. 4K, 1M, 4096"))?;
+            let v = n
+                .checked_mul(mult)
+                .with_context(|| format!("size {part:?} overflows"))?;
             if v == 0 {
                 bail!("size {part:?} is zero");
             }
@@ -48,7 +52,10 @@ pub struct Samples {
 
 impl Samples {
     pub fn new(bytes_per_op: u64) -> Self {
-        Self { bytes_per_op, lat: Vec::new() }
+        Self {
+            bytes_per_op,
+            lat: Vec::new(),
+        }
     }
 
     pub fn push(&mut self, d: Duration) {
@@ -78,7 +85,11 @@ impl Samples {
     }
 
     pub fn measured(&self) -> Measured {
-        Measured { gbps: self.gbps(), p50_us: self.percentile_us(50.0), p99_us: self.percentile_us(99.0) }
+        Measured {
+            gbps: self.gbps(),
+            p50_us: self.percentile_us(50.0),
+            p99_us: self.percentile_us(99.0),
+        }
     }
 }
 
@@ -115,7 +126,11 @@ impl Row {
             size,
             ratio: omnirig.gbps / b.gbps,
             omnirig,
-            baseline: Baseline { name: base_name.into(), gbps: b.gbps, p50_us: b.p50_us },
+            baseline: Baseline {
+                name: base_name.into(),
+                gbps: b.gbps,
+                p50_us: b.p50_us,
+            },
         }
     }
 }
@@ -163,7 +178,10 @@ mod tests {
 
     #[test]
     fn sizes_parse_with_suffixes_and_refuse_nonsense() {
-        assert_eq!(parse_sizes("4K,64K,1M,16M,1G,7").unwrap(), vec![4096, 65536, 1 << 20, 16 << 20, 1 << 30, 7]);
+        assert_eq!(
+            parse_sizes("4K,64K,1M,16M,1G,7").unwrap(),
+            vec![4096, 65536, 1 << 20, 16 << 20, 1 << 30, 7]
+        );
         assert!(parse_sizes("0").is_err());
         assert!(parse_sizes("4X").is_err());
         assert!(parse_sizes("99999999999999999G").is_err());

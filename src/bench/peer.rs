@@ -48,13 +48,24 @@ fn wait_for_stdin_eof() {
 pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()> {
     match mode {
         PeerMode::Engine => {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             rt.block_on(async {
                 let name = format!("bench-peer-{}", std::process::id());
-                let engine = Engine::new(EngineConfig::new(name).store(InProcessStore::new()).tcp_config(tcp)).await?;
+                let engine = Engine::new(
+                    EngineConfig::new(name)
+                        .store(InProcessStore::new())
+                        .tcp_config(tcp),
+                )
+                .await?;
                 let wbuf = engine.allocate(max_size)?;
                 let rbuf = engine.allocate(max_size)?;
-                rbuf.fill(0, max_size, |b| b.iter_mut().enumerate().for_each(|(i, x)| *x = (i * 7 + 3) as u8))?;
+                rbuf.fill(0, max_size, |b| {
+                    b.iter_mut()
+                        .enumerate()
+                        .for_each(|(i, x)| *x = (i * 7 + 3) as u8)
+                })?;
                 let write_grant = engine.grant(&wbuf, 0, max_size, Access::Write)?;
                 let read_grant = engine.grant(&rbuf, 0, max_size, Access::Read)?;
                 announce(&Hello {
@@ -68,7 +79,11 @@ pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()
         }
         PeerMode::Raw => {
             let listener = TcpListener::bind("127.0.0.1:0")?;
-            announce(&Hello { addr: listener.local_addr()?, write_grant: None, read_grant: None })?;
+            announce(&Hello {
+                addr: listener.local_addr()?,
+                write_grant: None,
+                read_grant: None,
+            })?;
             std::thread::spawn(move || {
                 wait_for_stdin_eof();
                 std::process::exit(0);
@@ -118,8 +133,20 @@ impl PeerProcess {
             PeerMode::Raw => "raw",
         };
         let mut child = Command::new(exe)
-            .args(["bench", "peer", "--mode", mode, "--max-size", &max_size.to_string()])
-            .args(["--slice-size", &tcp.slice_size.to_string(), "--max-payload", &tcp.max_payload.to_string()])
+            .args([
+                "bench",
+                "peer",
+                "--mode",
+                mode,
+                "--max-size",
+                &max_size.to_string(),
+            ])
+            .args([
+                "--slice-size",
+                &tcp.slice_size.to_string(),
+                "--max-payload",
+                &tcp.max_payload.to_string(),
+            ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -132,8 +159,13 @@ impl PeerProcess {
             let status = child.wait()?;
             bail!("the {mode} peer exited before announcing itself ({status})");
         }
-        let hello: Hello = serde_json::from_str(&line).with_context(|| format!("peer announced {line:?}"))?;
-        Ok(Self { child, stdin, hello })
+        let hello: Hello =
+            serde_json::from_str(&line).with_context(|| format!("peer announced {line:?}"))?;
+        Ok(Self {
+            child,
+            stdin,
+            hello,
+        })
     }
 }
 

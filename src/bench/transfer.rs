@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use omnirig_transports::memory::Region;
 use omnirig_transports::{
-    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig, TransportPolicy,
+    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig,
+    TransportPolicy,
 };
 
 use super::peer::{PeerMode, PeerProcess, RAW_HEADER};
@@ -40,7 +41,9 @@ fn progress(msg: &str) {
 
 pub fn run(o: &Options) -> anyhow::Result<Results> {
     let max = *o.sizes.iter().max().context("no sizes")?;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let rows = match o.transport {
         Which::Loopback => rt.block_on(loopback(o, max))?,
         Which::Tcp => rt.block_on(tcp(o, max))?,
@@ -73,7 +76,10 @@ async fn time_engine(engine: &Engine, req: Request, iters: usize) -> anyhow::Res
 async fn loopback(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     let store = InProcessStore::new();
     let cfg = |n: &str| {
-        EngineConfig::new(n).store(store.clone()).policy(TransportPolicy::Only("loopback")).tcp_listen(None)
+        EngineConfig::new(n)
+            .store(store.clone())
+            .policy(TransportPolicy::Only("loopback"))
+            .tcp_listen(None)
     };
     let a = Engine::new(cfg("bench-a")).await?;
     let b = Engine::new(cfg("bench-b")).await?;
@@ -82,6 +88,7 @@ async fn loopback(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     let dst = b.allocate(max)?;
     let wg = b.grant(&dst, 0, max, Access::Write)?;
     let rsrc = b.allocate(max)?;
+    rsrc.fill(0, max, |x| x.fill(0x5a))?;
     let rg = b.grant(&rsrc, 0, max, Access::Read)?;
     let landing = a.allocate(max)?;
     // The baseline: memcpy between two page-aligned buffers, reused, as the engine's are.
@@ -165,9 +172,20 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     )
     .await?;
     let info = a.connect_addr(engine_peer.hello.addr).await?;
-    progress(&format!("engine peer over {} ({})", info.transport, info.device));
-    let wg = engine_peer.hello.write_grant.clone().context("peer sent no write grant")?;
-    let rg = engine_peer.hello.read_grant.clone().context("peer sent no read grant")?;
+    progress(&format!(
+        "engine peer over {} ({})",
+        info.transport, info.device
+    ));
+    let wg = engine_peer
+        .hello
+        .write_grant
+        .clone()
+        .context("peer sent no write grant")?;
+    let rg = engine_peer
+        .hello
+        .read_grant
+        .clone()
+        .context("peer sent no read grant")?;
     let src = a.allocate(max)?;
     src.fill(0, max, |x| x.fill(0x5a))?;
     let landing = a.allocate(max)?;
@@ -187,7 +205,9 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     }
     // The peer fills its read buffer with (i * 7 + 3); the last read must have brought that.
     let last = *o.sizes.last().expect("sizes");
-    let ok = landing.view(0, last, |b| b.iter().enumerate().all(|(i, &x)| x == (i * 7 + 3) as u8))?;
+    let ok = landing.view(0, last, |b| {
+        b.iter().enumerate().all(|(i, &x)| x == (i * 7 + 3) as u8)
+    })?;
     if !ok {
         bail!("bytes read over tcp differ from the peer's buffer");
     }
@@ -199,7 +219,11 @@ pub fn verdicts(r: &Results) -> Vec<String> {
     let mut out = Vec::new();
     let big: Vec<&Row> = r.rows.iter().filter(|x| x.size >= 1 << 20).collect();
     if let Some(min) = big.iter().min_by(|a, b| a.ratio.total_cmp(&b.ratio)) {
-        let (base, need) = if r.transport == "tcp" { ("raw socket", 0.9) } else { ("memcpy", 0.9) };
+        let (base, need) = if r.transport == "tcp" {
+            ("raw socket", 0.9)
+        } else {
+            ("memcpy", 0.9)
+        };
         out.push(format!(
             "{} >= {need}x {base} at >= 1 MiB: {} (lowest {:.3}x: {} {})",
             r.transport,

@@ -55,7 +55,10 @@ pub struct PeerArgs {
 }
 
 fn one_size(s: &str, what: &str) -> anyhow::Result<u64> {
-    match parse_sizes(s).with_context(|| format!("--{what}"))?.as_slice() {
+    match parse_sizes(s)
+        .with_context(|| format!("--{what}"))?
+        .as_slice()
+    {
         [v] => Ok(*v),
         _ => anyhow::bail!("--{what} takes one size"),
     }
@@ -92,7 +95,11 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Peer(p) => peer::serve(
             p.mode,
             p.max_size,
-            TcpConfig { slice_size: p.slice_size, max_payload: p.max_payload, ..TcpConfig::default() },
+            TcpConfig {
+                slice_size: p.slice_size,
+                max_payload: p.max_payload,
+                ..TcpConfig::default()
+            },
         ),
     }
 }

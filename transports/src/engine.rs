@@ -73,7 +73,7 @@ impl EngineConfig {
             name: name.into(),
             tcp_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             tcp: TcpConfig::default(),
-            loopback_slice: 4 << 20,
+            loopback_slice: 256 << 20,
             policy: TransportPolicy::Auto,
             lock_memory: false,
             store: None,
@@ -219,7 +219,8 @@ impl EngineCore {
                 len,
                 access,
                 expires: None,
-                token: random_u64(),
+                // Leases are never presented by peers (admit refuses them), so no token.
+                token: 0,
                 lease: true,
             },
         )?;
@@ -819,6 +820,9 @@ impl Engine {
         let span = info_span!("batch", engine = %core.name, batch = id, tasks = prepared.len());
         for (i, p) in prepared.into_iter().enumerate() {
             core.live.tasks.fetch_add(1, Ordering::AcqRel);
+            let Some(p) = span.in_scope(|| inner.try_inline(&shared, i, p)) else {
+                continue;
+            };
             let task = run_task(inner.clone(), shared.clone(), i, p);
             tokio::spawn(task.instrument(span.clone()));
         }
@@ -865,21 +869,12 @@ impl Drop for TaskAlive {
 }
 
 async fn run_task(inner: Arc<EngineInner>, batch: Arc<BatchShared>, i: usize, p: Prepared) {
-    let _alive = TaskAlive(inner.core.live.clone());
+    let alive = TaskAlive(inner.core.live.clone());
     let r = &p.req;
     if !batch.lock().start(i) {
         return;
     }
-    let span = info_span!(
-        "transfer",
-        task = i,
-        op = %r.kind,
-        peer = %r.grant.segment,
-        bytes = r.len,
-        transport = tracing::field::Empty,
-        device = tracing::field::Empty,
-        latency_us = tracing::field::Empty,
-    );
+    let span = transfer_span(i, r);
     let started = Instant::now();
     let moved = async {
         let peer = inner.peer(&r.grant.segment).await?;
@@ -928,6 +923,34 @@ async fn run_task(inner: Arc<EngineInner>, batch: Arc<BatchShared>, i: usize, p:
             None => TaskState::TimedOut,
         },
     };
+    conclude(&batch, i, p, alive, &span, started, outcome);
+}
+
+fn transfer_span(i: usize, r: &Request) -> tracing::Span {
+    info_span!(
+        "transfer",
+        task = i,
+        op = %r.kind,
+        peer = %r.grant.segment,
+        bytes = r.len,
+        transport = tracing::field::Empty,
+        device = tracing::field::Empty,
+        latency_us = tracing::field::Empty,
+    )
+}
+
+/// Names the failure, records the latency, releases the task's hold, then reports: in this
+/// order, so that whoever sees the terminal state finds the buffer free and the engine idle.
+fn conclude(
+    batch: &BatchShared,
+    i: usize,
+    p: Prepared,
+    alive: TaskAlive,
+    span: &tracing::Span,
+    started: Instant,
+    outcome: TaskState,
+) {
+    let r = &p.req;
     let outcome = match outcome {
         TaskState::Failed(e) => TaskState::Failed(
             e.with_peer(&r.grant.segment)
@@ -936,17 +959,57 @@ async fn run_task(inner: Arc<EngineInner>, batch: Arc<BatchShared>, i: usize, p:
         ),
         o => o,
     };
-    let latency = started.elapsed();
-    span.record("latency_us", latency.as_micros() as u64);
+    span.record("latency_us", started.elapsed().as_micros() as u64);
     span.in_scope(|| debug!(outcome = ?outcome, "transfer ended"));
-    // Release the local range and the task count before reporting, so that whoever sees the
-    // terminal state finds the buffer free and the engine idle.
     drop(p);
-    drop(_alive);
+    drop(alive);
     batch.finish(i, outcome);
 }
 
 impl EngineInner {
+    /// Runs a single-slice task on the submitting thread when its peer is already connected
+    /// over a link that copies memory (loopback): no task, no timer, no wake-up. Gives the
+    /// task back when it has to go through the scheduler.
+    fn try_inline(&self, batch: &BatchShared, i: usize, p: Prepared) -> Option<Prepared> {
+        let peer = match self.peers.try_lock() {
+            Ok(peers) => peers.get(&p.req.grant.segment).cloned(),
+            Err(_) => None,
+        };
+        let Some(peer) = peer else { return Some(p) };
+        let r = &p.req;
+        if r.len > peer.link.slicing().slice_size {
+            return Some(p);
+        }
+        let op = SliceOp {
+            kind: r.kind,
+            local: p.buf.region.clone(),
+            local_offset: r.local_offset,
+            grant: r.grant.wire(),
+            grant_offset: r.grant_offset,
+            len: r.len,
+        };
+        let span = transfer_span(i, r);
+        span.record("transport", peer.info.transport)
+            .record("device", peer.info.device.as_str());
+        let started = Instant::now();
+        let outcome = match span.in_scope(|| peer.link.execute_inline(&op)) {
+            None => return Some(p),
+            Some(Ok(())) => TaskState::Completed,
+            Some(Err(e)) => TaskState::Failed(e),
+        };
+        batch.lock().start(i);
+        conclude(
+            batch,
+            i,
+            p,
+            TaskAlive(self.core.live.clone()),
+            &span,
+            started,
+            outcome,
+        );
+        None
+    }
+
     /// The peer's link, connecting (and logging the selection) the first time.
     async fn peer(&self, segment: &str) -> Result<Arc<Peer>> {
         if self.shutdown.is_cancelled() {

@@ -96,25 +96,31 @@ impl Link for LoopbackLink {
         let peer = self.peer.clone();
         let name = self.name.clone();
         Box::pin(async move {
+            // Between slices of a large copy, let deadlines, cancels and other tasks run.
             tokio::task::yield_now().await;
-            let gone = || {
-                Error::new(ErrorKind::PeerDisconnected, "peer engine was dropped").with_peer(&name)
-            };
-            let core = peer.upgrade().ok_or_else(gone)?;
-            let (region, admitted) = core
-                .admit(op.kind.access(), op.grant, op.grant_offset, op.len)
-                .map_err(|e| e.with_peer(&name))?;
-            drop(core);
-            let _pin = admitted.entry.pin().map_err(|e| e.with_peer(&name))?;
-            match op.kind {
-                OpKind::Write => {
-                    op.local
-                        .copy_to(op.local_offset, &region, admitted.buffer_offset, op.len)
-                }
-                OpKind::Read => {
-                    region.copy_to(admitted.buffer_offset, &op.local, op.local_offset, op.len)
-                }
-            }
+            copy(&peer, &name, &op)
         })
+    }
+
+    fn execute_inline(&self, op: &SliceOp) -> Option<Result<()>> {
+        Some(copy(&self.peer, &self.name, op))
+    }
+}
+
+/// The loopback data path: the peer checks the grant, then one memcpy under its fence.
+fn copy(peer: &Weak<EngineCore>, name: &str, op: &SliceOp) -> Result<()> {
+    let core = peer.upgrade().ok_or_else(|| {
+        Error::new(ErrorKind::PeerDisconnected, "peer engine was dropped").with_peer(name)
+    })?;
+    let (region, admitted) = core
+        .admit(op.kind.access(), op.grant, op.grant_offset, op.len)
+        .map_err(|e| e.with_peer(name))?;
+    drop(core);
+    let _pin = admitted.entry.pin().map_err(|e| e.with_peer(name))?;
+    match op.kind {
+        OpKind::Write => op
+            .local
+            .copy_to(op.local_offset, &region, admitted.buffer_offset, op.len),
+        OpKind::Read => region.copy_to(admitted.buffer_offset, &op.local, op.local_offset, op.len),
     }
 }

@@ -93,4 +93,11 @@ pub trait Link: Send + Sync + 'static {
     fn slicing(&self) -> Slicing;
     /// Moves one slice. Dropping the future cancels it; the link stays usable.
     fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>>;
+
+    /// Moves one slice right now on the caller's thread, if this link is a plain memory
+    /// copy. The engine uses it for single-slice tasks to skip scheduling entirely; links
+    /// that wait on anything (sockets, completions, decorators) keep the default `None`.
+    fn execute_inline(&self, _op: &SliceOp) -> Option<Result<()>> {
+        None
+    }
 }
