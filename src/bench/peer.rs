@@ -92,6 +92,7 @@ pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()
             loop {
                 let (mut s, _) = listener.accept()?;
                 s.set_nodelay(true)?;
+                s.set_nonblocking(true)?;
                 // One client at a time; a closed connection goes back to accept.
                 let _ = raw_session(&mut s, &mut buf);
             }
@@ -99,20 +100,84 @@ pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()
     }
 }
 
+/// How long raw-socket readers busy-poll before blocking: the same policy as the engine's
+/// `TcpConfig::busy_poll`, so the baseline is not slowed by parked (virtual) CPUs waking up.
+pub const RAW_BUSY_POLL: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// `read_exact` on a non-blocking socket that busy-polls for up to [`RAW_BUSY_POLL`] per read,
+/// then sleeps in `poll(2)` until the socket is readable.
+pub fn read_exact_polled(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut got = 0;
+    let mut until = std::time::Instant::now() + RAW_BUSY_POLL;
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                until = std::time::Instant::now() + RAW_BUSY_POLL;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if std::time::Instant::now() < until {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let mut fd = libc::pollfd {
+                    fd: s.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd for a socket we own, for the duration of the call.
+                if unsafe { libc::poll(&mut fd, 1, -1) } < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf` to a non-blocking socket, waiting in `poll(2)` when it is full.
+pub fn write_all_polled(s: &mut TcpStream, mut buf: &[u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    while !buf.is_empty() {
+        match s.write(buf) {
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let mut fd = libc::pollfd {
+                    fd: s.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd for a socket we own, for the duration of the call.
+                unsafe { libc::poll(&mut fd, 1, -1) };
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn raw_session(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
     let mut h = [0u8; RAW_HEADER];
     loop {
-        s.read_exact(&mut h)?;
+        read_exact_polled(s, &mut h)?;
         let len = u64::from_le_bytes(h[1..9].try_into().expect("8 bytes")) as usize;
         if len > buf.len() {
             return Err(std::io::Error::other("length over the peer's buffer"));
         }
         match h[0] {
             b'W' => {
-                s.read_exact(&mut buf[..len])?;
-                s.write_all(&[1])?;
+                read_exact_polled(s, &mut buf[..len])?;
+                write_all_polled(s, &[1])?;
             }
-            b'R' => s.write_all(&buf[..len])?,
+            b'R' => write_all_polled(s, &buf[..len])?,
             _ => return Err(std::io::Error::other("unknown op")),
         }
     }

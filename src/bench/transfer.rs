@@ -2,7 +2,6 @@
 //! physical baseline measured in the same run (memcpy for loopback, a plain TCP socket
 //! between two processes for tcp).
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -13,7 +12,7 @@ use omnirig_transports::{
     TransportPolicy,
 };
 
-use super::peer::{PeerMode, PeerProcess, RAW_HEADER};
+use super::peer::{PeerMode, PeerProcess, RAW_HEADER, read_exact_polled, write_all_polled};
 use super::{Results, Row, Samples, human_size, iterations};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -143,15 +142,15 @@ fn time_raw(s: &mut TcpStream, op: u8, buf: &mut [u8], iters: usize) -> anyhow::
                 let mut one = Vec::with_capacity(RAW_HEADER + size);
                 one.extend_from_slice(&h);
                 one.extend_from_slice(buf);
-                s.write_all(&one)?;
+                write_all_polled(s, &one)?;
             } else {
-                s.write_all(&h)?;
-                s.write_all(buf)?;
+                write_all_polled(s, &h)?;
+                write_all_polled(s, buf)?;
             }
-            s.read_exact(&mut ack)?;
+            read_exact_polled(s, &mut ack)?;
         } else {
-            s.write_all(&h)?;
-            s.read_exact(buf)?;
+            write_all_polled(s, &h)?;
+            read_exact_polled(s, buf)?;
         }
         if i >= 3 {
             samples.push(t.elapsed());
@@ -191,6 +190,7 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     let landing = a.allocate(max)?;
     let mut raw = TcpStream::connect(raw_peer.hello.addr)?;
     raw.set_nodelay(true)?;
+    raw.set_nonblocking(true)?;
     let mut raw_buf = vec![0x5au8; max as usize];
     let mut rows = Vec::new();
     for &size in &o.sizes {

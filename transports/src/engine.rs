@@ -751,6 +751,22 @@ impl Engine {
     /// task, and nothing starts. `timeout` bounds the whole batch: tasks still running then
     /// end TimedOut.
     pub async fn submit(&self, requests: Vec<Request>, timeout: Option<Duration>) -> Result<Batch> {
+        let (batch, rest, span) = self.start(requests, timeout)?;
+        for (i, p) in rest {
+            let task = run_task(self.inner.clone(), batch.shared.clone(), i, p);
+            tokio::spawn(task.instrument(span.clone()));
+        }
+        Ok(batch)
+    }
+
+    /// Validates, creates the batch and runs what can run inline; returns the tasks that still
+    /// need a driver.
+    #[allow(clippy::type_complexity)]
+    fn start(
+        &self,
+        requests: Vec<Request>,
+        timeout: Option<Duration>,
+    ) -> Result<(Batch, Vec<(usize, Prepared)>, tracing::Span)> {
         let inner = &self.inner;
         let core = &inner.core;
         let id = inner.next_batch.fetch_add(1, Ordering::Relaxed);
@@ -818,21 +834,29 @@ impl Engine {
             core.live.clone(),
         );
         let span = info_span!("batch", engine = %core.name, batch = id, tasks = prepared.len());
+        let mut rest = Vec::new();
         for (i, p) in prepared.into_iter().enumerate() {
             core.live.tasks.fetch_add(1, Ordering::AcqRel);
-            let Some(p) = span.in_scope(|| inner.try_inline(&shared, i, p)) else {
-                continue;
-            };
-            let task = run_task(inner.clone(), shared.clone(), i, p);
-            tokio::spawn(task.instrument(span.clone()));
+            if let Some(p) = span.in_scope(|| inner.try_inline(&shared, i, p)) {
+                rest.push((i, p));
+            }
         }
-        Ok(Batch { shared })
+        Ok((Batch { shared }, rest, span))
     }
 
     /// Submits and waits: every request Completed, or the first failure naming its task.
+    /// The caller's task drives the transfers itself (no spawned tasks, no cross-task
+    /// wake-ups); dropping the future cancels them, as dropping a batch does.
     pub async fn transfer(&self, requests: Vec<Request>, timeout: Option<Duration>) -> Result<()> {
-        let batch = self.submit(requests, timeout).await?;
-        batch.wait_all().await
+        let (batch, rest, span) = self.start(requests, timeout)?;
+        let drivers = futures_util::future::join_all(rest.into_iter().map(|(i, p)| {
+            run_task(self.inner.clone(), batch.shared.clone(), i, p).instrument(span.clone())
+        }));
+        tokio::select! {
+            _ = drivers => batch.wait_all().await,
+            // The first failure ends the wait; dropping `drivers` cancels the rest.
+            r = batch.wait_all() => r,
+        }
     }
 
     /// Shuts the engine down now (also done on drop).

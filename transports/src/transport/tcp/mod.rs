@@ -40,6 +40,9 @@ pub struct TcpConfig {
     /// Largest payload this engine accepts in one frame (must be >= peers' slice size).
     pub max_payload: u64,
     pub connect_timeout: Duration,
+    /// How long a reader busy-polls its socket before parking (0 disables): trades CPU on
+    /// idle connections for round-trip latency.
+    pub busy_poll: Duration,
 }
 
 impl Default for TcpConfig {
@@ -49,6 +52,7 @@ impl Default for TcpConfig {
             streams: 2,
             max_payload: 64 << 20,
             connect_timeout: Duration::from_secs(5),
+            busy_poll: Duration::from_micros(50),
         }
     }
 }
@@ -81,15 +85,52 @@ struct Conn {
 
 // ---------- socket helpers that work on `&TcpStream` ----------
 
-async fn read_exact(stream: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
+/// One non-blocking `recv` straight on the socket, bypassing tokio's cached readiness (so a
+/// busy-poll sees data the reactor has not reported yet).
+fn recv_now(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    use std::io::Read;
+    let sock = socket2::SockRef::from(stream);
+    (&*sock).read(buf)
+}
+
+/// Runs `attempt` (one non-blocking read) until it does not report WouldBlock: first by
+/// busy-polling for up to `spin`, the way RDMA engines poll completion queues (waking a
+/// parked thread costs far more than a short spin, above all on virtual CPUs), then by
+/// parking on the reactor.
+async fn read_ready<T>(
+    stream: &TcpStream,
+    spin: Duration,
+    mut attempt: impl FnMut() -> io::Result<T>,
+) -> io::Result<T> {
+    if !spin.is_zero() {
+        let until = std::time::Instant::now() + spin;
+        loop {
+            match attempt() {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+            if std::time::Instant::now() >= until {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+    }
+    loop {
+        stream.readable().await?;
+        // try_io clears tokio's readiness on WouldBlock, so the next await really parks.
+        match stream.try_io(tokio::io::Interest::READABLE, &mut attempt) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            r => return r,
+        }
+    }
+}
+
+async fn read_exact(stream: &TcpStream, buf: &mut [u8], spin: Duration) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
-        stream.readable().await?;
-        match stream.try_read(&mut buf[got..]) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
+        match read_ready(stream, spin, || recv_now(stream, &mut buf[got..])).await? {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => got += n,
         }
     }
     Ok(())
@@ -180,22 +221,27 @@ async fn recv_into(
     offset: u64,
     len: u64,
     fence: Option<&Arc<GrantEntry>>,
+    spin: Duration,
 ) -> std::result::Result<(), Stop> {
     let mut got = 0u64;
     while got < len {
-        stream.readable().await.map_err(Stop::Io)?;
-        let _pin = match fence {
-            Some(f) => Some(f.pin().map_err(|e| Stop::Revoked(e, len - got))?),
-            None => None,
+        let attempt = || -> io::Result<std::result::Result<usize, Error>> {
+            let _pin = match fence {
+                Some(f) => match f.pin() {
+                    Ok(p) => Some(p),
+                    Err(e) => return Ok(Err(e)),
+                },
+                None => None,
+            };
+            region
+                .with_mut_slice(offset + got, len - got, |dst| recv_now(stream, dst))
+                .map_err(|e| io::Error::other(e.to_string()))?
+                .map(Ok)
         };
-        let r = region
-            .with_mut_slice(offset + got, len - got, |dst| stream.try_read(dst))
-            .map_err(|e| Stop::Io(io::Error::other(e.to_string())))?;
-        match r {
+        match read_ready(stream, spin, attempt).await.map_err(Stop::Io)? {
             Ok(0) => return Err(Stop::Io(io::ErrorKind::UnexpectedEof.into())),
             Ok(n) => got += n as u64,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(Stop::Io(e)),
+            Err(revoked) => return Err(Stop::Revoked(revoked, len - got)),
         }
     }
     Ok(())
@@ -206,15 +252,15 @@ async fn discard(stream: &TcpStream, mut len: u64) -> io::Result<()> {
     let mut scratch = vec![0u8; 64 << 10];
     while len > 0 {
         let n = len.min(scratch.len() as u64) as usize;
-        read_exact(stream, &mut scratch[..n]).await?;
+        read_exact(stream, &mut scratch[..n], Duration::ZERO).await?;
         len -= n as u64;
     }
     Ok(())
 }
 
-async fn read_header(stream: &TcpStream, max_payload: u64) -> Result<Header> {
+async fn read_header(stream: &TcpStream, max_payload: u64, spin: Duration) -> Result<Header> {
     let mut hb = [0u8; HEADER_LEN];
-    read_exact(stream, &mut hb)
+    read_exact(stream, &mut hb, spin)
         .await
         .map_err(|e| Error::io(e, "reading frame header"))?;
     Header::decode(&hb, max_payload)
@@ -228,7 +274,7 @@ async fn read_body(stream: &TcpStream, h: &Header, limit: u32) -> Result<Vec<u8>
         ));
     }
     let mut body = vec![0u8; h.body_len as usize];
-    read_exact(stream, &mut body)
+    read_exact(stream, &mut body, Duration::ZERO)
         .await
         .map_err(|e| Error::io(e, "reading frame body"))?;
     Ok(body)
@@ -291,7 +337,7 @@ async fn serve(core: Arc<EngineCore>, conn: Conn, from: SocketAddr, cfg: TcpConf
     let stream = &conn.stream;
     let mut peer = from.to_string();
     loop {
-        let h = match read_header(stream, cfg.max_payload).await {
+        let h = match read_header(stream, cfg.max_payload, cfg.busy_poll).await {
             Ok(h) => h,
             Err(e) if e.kind() == ErrorKind::Malformed => {
                 warn!(engine = %core.name, peer = %peer, error = %e, "refusing connection: malformed frame");
@@ -331,7 +377,7 @@ async fn serve(core: Arc<EngineCore>, conn: Conn, from: SocketAddr, cfg: TcpConf
                     .await
                     .map_err(|e| Error::io(e, "describe reply"))
             }
-            FrameKind::Write => serve_write(&core, stream, &h).await,
+            FrameKind::Write => serve_write(&core, stream, &h, cfg.busy_poll).await,
             FrameKind::Read => serve_read(&core, stream, &h).await,
             other => Err(Error::new(
                 ErrorKind::Malformed,
@@ -361,10 +407,24 @@ fn wire(h: &Header) -> GrantRef {
 /// One write: check the grant, then payload straight into memory, then the ack. A refused
 /// write's payload is drained so the connection stays usable for the peer's next slice.
 /// Returns Err only when the connection must close.
-async fn serve_write(core: &EngineCore, stream: &TcpStream, h: &Header) -> Result<()> {
+async fn serve_write(
+    core: &EngineCore,
+    stream: &TcpStream,
+    h: &Header,
+    spin: Duration,
+) -> Result<()> {
     let refused = match core.admit(OpKind::Write.access(), wire(h), h.offset, h.len) {
         Ok((region, adm)) => {
-            match recv_into(stream, &region, adm.buffer_offset, h.len, Some(&adm.entry)).await {
+            match recv_into(
+                stream,
+                &region,
+                adm.buffer_offset,
+                h.len,
+                Some(&adm.entry),
+                spin,
+            )
+            .await
+            {
                 Ok(()) => {
                     let ack = Header::new(FrameKind::WriteAck, h.req_id).encode();
                     return write_all(stream, &[&ack])
@@ -493,7 +553,7 @@ pub(crate) async fn describe(
     write_all(s, &[&Header::new(FrameKind::Describe, 1).encode()])
         .await
         .map_err(|e| Error::io(e, "describe"))?;
-    let h = read_header(s, 0).await?;
+    let h = read_header(s, 0, Duration::ZERO).await?;
     match h.kind {
         FrameKind::DescribeReply => {
             let body = read_body(s, &h, MAX_DESCRIPTOR_BODY).await?;
@@ -586,7 +646,7 @@ impl LinkShared {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         // If this future is dropped mid-slice, `conn` drops with it: a half-sent frame never
         // goes back into the pool.
-        match run_slice(&conn, req, &op, self.cfg.max_payload).await {
+        match run_slice(&conn, req, &op, &self.cfg).await {
             Ok(reply) => {
                 self.idle().push(conn);
                 reply
@@ -598,7 +658,7 @@ impl LinkShared {
 
 /// Runs one slice on one connection. `Ok(Err(e))` is a clean refusal from the peer (the
 /// connection is still in sync and can be reused); `Err(e)` means the connection is done.
-async fn run_slice(c: &Conn, req: u64, op: &SliceOp, max_payload: u64) -> Result<Result<()>> {
+async fn run_slice(c: &Conn, req: u64, op: &SliceOp, cfg: &TcpConfig) -> Result<Result<()>> {
     let s = &c.stream;
     let h = Header {
         buffer: op.grant.buffer,
@@ -626,7 +686,7 @@ async fn run_slice(c: &Conn, req: u64, op: &SliceOp, max_payload: u64) -> Result
             .await
             .map_err(|e| Error::io(e, "sending read request"))?,
     }
-    let r = read_header(s, max_payload.max(op.len)).await?;
+    let r = read_header(s, cfg.max_payload.max(op.len), cfg.busy_poll).await?;
     if r.req_id != req {
         return Err(Error::new(
             ErrorKind::Malformed,
@@ -636,7 +696,7 @@ async fn run_slice(c: &Conn, req: u64, op: &SliceOp, max_payload: u64) -> Result
     match (op.kind, r.kind) {
         (OpKind::Write, FrameKind::WriteAck) => Ok(Ok(())),
         (OpKind::Read, FrameKind::ReadData) if r.len == op.len => {
-            match recv_into(s, &op.local, op.local_offset, op.len, None).await {
+            match recv_into(s, &op.local, op.local_offset, op.len, None, cfg.busy_poll).await {
                 Ok(()) => Ok(Ok(())),
                 Err(Stop::Io(e)) => Err(Error::io(e, "receiving read data")),
                 Err(Stop::Revoked(e, _)) => Err(e),
