@@ -1,0 +1,1 @@
+//! Connectors, pipeline runner, scenarios and reports.

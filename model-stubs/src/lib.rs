@@ -1,0 +1,1 @@
+//! The five Qwen3-Omni stage stubs.
