@@ -168,7 +168,7 @@ impl Region {
         }
         let ptr = NonNull::new(ptr)
             .ok_or_else(|| Error::new(ErrorKind::InvalidLength, "null pointer"))?;
-        if ptr.as_ptr() as usize % PAGE_SIZE != 0 {
+        if !(ptr.as_ptr() as usize).is_multiple_of(PAGE_SIZE) {
             return Err(Error::new(
                 ErrorKind::InvalidLength,
                 format!("{:p} is not {PAGE_SIZE}-byte aligned", ptr.as_ptr()),
