@@ -94,28 +94,30 @@ pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()
                 s.set_nodelay(true)?;
                 s.set_nonblocking(true)?;
                 // One client at a time; a closed connection goes back to accept.
-                let _ = raw_session(&mut s, &mut buf);
+                let _ = raw_session(&mut s, &mut buf, tcp.busy_poll);
             }
         }
     }
 }
 
-/// How long raw-socket readers busy-poll before blocking: the same policy as the engine's
-/// `TcpConfig::busy_poll`, so the baseline is not slowed by parked (virtual) CPUs waking up.
-pub const RAW_BUSY_POLL: std::time::Duration = std::time::Duration::from_micros(50);
-
-/// `read_exact` on a non-blocking socket that busy-polls for up to [`RAW_BUSY_POLL`] per read,
-/// then sleeps in `poll(2)` until the socket is readable.
-pub fn read_exact_polled(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
+/// `read_exact` on a non-blocking socket that busy-polls for up to `spin` per read, then sleeps
+/// in `poll(2)` until the socket is readable: the same policy as the engine's
+/// `TcpConfig::busy_poll`, so the baseline is not slowed by parked (virtual) CPUs waking up
+/// while the engine is not.
+pub fn read_exact_polled(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    spin: std::time::Duration,
+) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let mut got = 0;
-    let mut until = std::time::Instant::now() + RAW_BUSY_POLL;
+    let mut until = std::time::Instant::now() + spin;
     while got < buf.len() {
         match s.read(&mut buf[got..]) {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => {
                 got += n;
-                until = std::time::Instant::now() + RAW_BUSY_POLL;
+                until = std::time::Instant::now() + spin;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if std::time::Instant::now() < until {
@@ -164,17 +166,21 @@ pub fn write_all_polled(s: &mut TcpStream, mut buf: &[u8]) -> std::io::Result<()
     Ok(())
 }
 
-fn raw_session(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
+fn raw_session(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    spin: std::time::Duration,
+) -> std::io::Result<()> {
     let mut h = [0u8; RAW_HEADER];
     loop {
-        read_exact_polled(s, &mut h)?;
+        read_exact_polled(s, &mut h, spin)?;
         let len = u64::from_le_bytes(h[1..9].try_into().expect("8 bytes")) as usize;
         if len > buf.len() {
             return Err(std::io::Error::other("length over the peer's buffer"));
         }
         match h[0] {
             b'W' => {
-                read_exact_polled(s, &mut buf[..len])?;
+                read_exact_polled(s, &mut buf[..len], spin)?;
                 write_all_polled(s, &[1])?;
             }
             b'R' => write_all_polled(s, &buf[..len])?,
@@ -211,6 +217,8 @@ impl PeerProcess {
                 &tcp.slice_size.to_string(),
                 "--max-payload",
                 &tcp.max_payload.to_string(),
+                "--busy-poll-us",
+                &tcp.busy_poll.as_micros().to_string(),
             ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

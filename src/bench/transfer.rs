@@ -127,7 +127,13 @@ fn check_landed(owner: &Engine, dst: &Buffer, g: &Grant, byte: u8, max: u64) -> 
 }
 
 /// Raw-socket round trips with reused buffers: the physical baseline for tcp.
-fn time_raw(s: &mut TcpStream, op: u8, buf: &mut [u8], iters: usize) -> anyhow::Result<Samples> {
+fn time_raw(
+    s: &mut TcpStream,
+    op: u8,
+    buf: &mut [u8],
+    iters: usize,
+    spin: Duration,
+) -> anyhow::Result<Samples> {
     let size = buf.len();
     let mut h = [0u8; RAW_HEADER];
     h[0] = op;
@@ -147,10 +153,10 @@ fn time_raw(s: &mut TcpStream, op: u8, buf: &mut [u8], iters: usize) -> anyhow::
                 write_all_polled(s, &h)?;
                 write_all_polled(s, buf)?;
             }
-            read_exact_polled(s, &mut ack)?;
+            read_exact_polled(s, &mut ack, spin)?;
         } else {
             write_all_polled(s, &h)?;
-            read_exact_polled(s, buf)?;
+            read_exact_polled(s, buf, spin)?;
         }
         if i >= 3 {
             samples.push(t.elapsed());
@@ -196,10 +202,22 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     for &size in &o.sizes {
         let iters = iterations(size, o.budget, o.min_iters, o.max_iters);
         progress(&format!("tcp {} x {iters}", human_size(size)));
-        let bw = time_raw(&mut raw, b'W', &mut raw_buf[..size as usize], iters)?;
+        let bw = time_raw(
+            &mut raw,
+            b'W',
+            &mut raw_buf[..size as usize],
+            iters,
+            o.tcp.busy_poll,
+        )?;
         let w = time_engine(&a, Request::write(&src, 0, &wg, 0, size), iters).await?;
         rows.push(Row::new("write", size, &w, "raw-socket", &bw));
-        let br = time_raw(&mut raw, b'R', &mut raw_buf[..size as usize], iters)?;
+        let br = time_raw(
+            &mut raw,
+            b'R',
+            &mut raw_buf[..size as usize],
+            iters,
+            o.tcp.busy_poll,
+        )?;
         let r = time_engine(&a, Request::read(&landing, 0, &rg, 0, size), iters).await?;
         rows.push(Row::new("read", size, &r, "raw-socket", &br));
     }

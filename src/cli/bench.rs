@@ -35,11 +35,15 @@ pub struct TransferArgs {
     #[arg(long, default_value_t = 2000)]
     max_iters: usize,
     /// TCP slice size (bytes per frame).
-    #[arg(long, default_value = "4M")]
+    #[arg(long, default_value = "512K")]
     slice_size: String,
     /// TCP connections per peer (slices in flight per transfer).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     streams: usize,
+    /// Microseconds a TCP reader busy-polls before parking; the raw-socket baseline uses the
+    /// same value (0 = block at once).
+    #[arg(long, default_value_t = 50)]
+    busy_poll_us: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -52,6 +56,8 @@ pub struct PeerArgs {
     slice_size: u64,
     #[arg(long)]
     max_payload: u64,
+    #[arg(long)]
+    busy_poll_us: u64,
 }
 
 fn one_size(s: &str, what: &str) -> anyhow::Result<u64> {
@@ -72,6 +78,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 slice_size,
                 streams: a.streams,
                 max_payload: slice_size.max(TcpConfig::default().max_payload),
+                busy_poll: std::time::Duration::from_micros(a.busy_poll_us),
                 ..TcpConfig::default()
             };
             let opts = transfer::Options {

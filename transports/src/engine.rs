@@ -906,6 +906,20 @@ async fn run_task(inner: Arc<EngineInner>, batch: Arc<BatchShared>, i: usize, p:
             .record("transport", peer.info.transport)
             .record("device", peer.info.device.as_str());
         let s = peer.link.slicing();
+        if r.len <= s.slice_size {
+            // One slice: no stream machinery on the latency path.
+            let op = SliceOp {
+                kind: r.kind,
+                local: p.buf.region.clone(),
+                local_offset: r.local_offset,
+                grant: r.grant.wire(),
+                grant_offset: r.grant_offset,
+                len: r.len,
+            };
+            peer.link.execute(op).await?;
+            batch.progress(i, r.len);
+            return Ok(());
+        }
         let mut pending = futures_util::stream::iter(slices(r.len, s.slice_size))
             .map(|(off, len)| {
                 let op = SliceOp {
@@ -1038,6 +1052,11 @@ impl EngineInner {
     async fn peer(&self, segment: &str) -> Result<Arc<Peer>> {
         if self.shutdown.is_cancelled() {
             return Err(Error::new(ErrorKind::EngineClosed, "engine is shut down"));
+        }
+        if let Ok(peers) = self.peers.try_lock()
+            && let Some(p) = peers.get(segment)
+        {
+            return Ok(p.clone());
         }
         let mut peers = self.peers.lock().await;
         if let Some(p) = peers.get(segment) {

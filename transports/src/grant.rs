@@ -259,6 +259,8 @@ pub struct GrantTable {
     by_buffer: HashMap<u32, BTreeMap<(u64, u64), u64>>,
     granted_bytes: u64,
     leases: usize,
+    /// Live grants with an expiry; sweeping is skipped while there are none.
+    expiring: usize,
 }
 
 impl GrantTable {
@@ -275,7 +277,9 @@ impl GrantTable {
             token,
             lease,
         } = spec;
-        self.sweep(Instant::now());
+        if self.expiring > 0 {
+            self.sweep(Instant::now());
+        }
         if len == 0 {
             return Err(Error::new(ErrorKind::InvalidLength, "grant length is 0"));
         }
@@ -324,6 +328,9 @@ impl GrantTable {
             .entry(buffer)
             .or_default()
             .insert((offset, grant.epoch), end);
+        if expires.is_some() {
+            self.expiring += 1;
+        }
         if lease {
             self.leases += 1;
         } else {
@@ -403,6 +410,9 @@ impl GrantTable {
                 self.by_buffer.remove(&g.buffer);
             }
         }
+        if entry.expires.is_some() {
+            self.expiring -= 1;
+        }
         if entry.lease {
             self.leases -= 1;
         } else {
@@ -437,6 +447,9 @@ impl GrantTable {
 
     /// Revokes grants whose expiry has passed.
     pub fn sweep(&mut self, now: Instant) {
+        if self.expiring == 0 {
+            return;
+        }
         let expired: Vec<u64> = self
             .by_epoch
             .values()
