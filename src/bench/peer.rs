@@ -27,8 +27,9 @@ pub enum PeerMode {
     Raw,
 }
 
-/// Raw protocol: 1 byte op ('W' or 'R') + u64 LE length; 'W' is followed by the payload and
-/// answered with one byte; 'R' is answered with the payload.
+/// Raw protocol: 1 byte op ('W' or 'R'; lower case: block instead of busy-polling) + u64 LE
+/// length; 'W' is followed by the payload and answered with one byte; 'R' is answered with
+/// the payload.
 pub const RAW_HEADER: usize = 9;
 
 fn announce(h: &Hello) -> anyhow::Result<()> {
@@ -121,7 +122,8 @@ pub fn read_exact_polled(
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if std::time::Instant::now() < until {
-                    std::hint::spin_loop();
+                    // Yield rather than spin: if the peer shares this CPU it runs now.
+                    std::thread::yield_now();
                     continue;
                 }
                 let mut fd = libc::pollfd {
@@ -172,15 +174,23 @@ fn raw_session(
     spin: std::time::Duration,
 ) -> std::io::Result<()> {
     let mut h = [0u8; RAW_HEADER];
+    // Upper-case ops busy-poll, lower-case ops block: the client picks the mode per series,
+    // and the next header is awaited the way the last op was.
+    let mut wait = spin;
     loop {
-        read_exact_polled(s, &mut h, spin)?;
+        read_exact_polled(s, &mut h, wait)?;
+        wait = if h[0].is_ascii_lowercase() {
+            std::time::Duration::ZERO
+        } else {
+            spin
+        };
         let len = u64::from_le_bytes(h[1..9].try_into().expect("8 bytes")) as usize;
         if len > buf.len() {
             return Err(std::io::Error::other("length over the peer's buffer"));
         }
-        match h[0] {
+        match h[0].to_ascii_uppercase() {
             b'W' => {
-                read_exact_polled(s, &mut buf[..len], spin)?;
+                read_exact_polled(s, &mut buf[..len], wait)?;
                 write_all_polled(s, &[1])?;
             }
             b'R' => write_all_polled(s, &buf[..len])?,

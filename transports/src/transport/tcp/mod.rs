@@ -112,7 +112,7 @@ async fn read_ready<T>(
             if std::time::Instant::now() >= until {
                 break;
             }
-            std::hint::spin_loop();
+            std::thread::yield_now();
         }
     }
     loop {
