@@ -139,7 +139,13 @@ impl Stub {
 
     /// Produces bytes `byte_offset..byte_offset+out.len()` of output tensor
     /// `spec` straight into `out` (registered memory, a KV block alone, ...).
-    pub fn produce(&self, plan: &RequestPlan, spec: &TensorSpec, byte_offset: u64, out: &mut [u8]) -> Result<()> {
+    pub fn produce(
+        &self,
+        plan: &RequestPlan,
+        spec: &TensorSpec,
+        byte_offset: u64,
+        out: &mut [u8],
+    ) -> Result<()> {
         self.generator(plan, spec)
             .fill_bytes(byte_offset, out)
             .map_err(|source| StubError::Fixture {
@@ -193,7 +199,12 @@ impl Stub {
     /// Checks one KV tensor by blocks: `received[i]` is the digest of the block
     /// found where logical block `i` should be. A wrong mapping is named
     /// (which source block landed where).
-    pub fn check_kv_blocks(&self, plan: &RequestPlan, tensor: &str, received: &[Digest128]) -> Result<()> {
+    pub fn check_kv_blocks(
+        &self,
+        plan: &RequestPlan,
+        tensor: &str,
+        received: &[Digest128],
+    ) -> Result<()> {
         let hop = self
             .inbound(plan)
             .filter(|h| h.payload_kind == PayloadKind::KvCache)
@@ -282,8 +293,14 @@ mod tests {
         let decode = Stub::thinker_decode(ComputeTime::default());
         decode.check_kv_blocks(&p, name, &digests).unwrap();
         digests.swap(0, 1);
-        let err = decode.check_kv_blocks(&p, name, &digests).unwrap_err().to_string();
-        assert!(err.contains("blocks[0]") && err.contains("block 1"), "{err}");
+        let err = decode
+            .check_kv_blocks(&p, name, &digests)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("blocks[0]") && err.contains("block 1"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -294,7 +311,11 @@ mod tests {
             per_item_us: 5,
         });
         assert_eq!(s.compute_time(&p), Duration::from_micros(10 * 24 + 5));
-        assert!(Stub::encoder(ComputeTime::default()).compute_time(&p).is_zero());
+        assert!(
+            Stub::encoder(ComputeTime::default())
+                .compute_time(&p)
+                .is_zero()
+        );
         assert!(!Stub::encoder(ComputeTime::default()).participates(&p));
     }
 }

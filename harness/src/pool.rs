@@ -1,0 +1,194 @@
+//! Registered pools carved into disjoint ranges.
+//!
+//! The engine refuses overlapping write grants, so every stage reserves each
+//! destination from its pool's [`RangeAllocator`] first. The allocator is
+//! plain state (no I/O); [`Pool`] adds the registered buffer and waiting.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use omnirig_transports::{Buffer, Engine};
+use tokio::sync::Notify;
+
+use crate::error::{HarnessError, Result};
+
+/// Ranges are aligned so tensors start on cache lines and pages.
+pub const RANGE_ALIGN: u64 = 4096;
+
+pub fn align_up(n: u64) -> u64 {
+    n.div_ceil(RANGE_ALIGN).max(1) * RANGE_ALIGN
+}
+
+/// First-fit allocator of disjoint ranges in `0..capacity`.
+#[derive(Debug, Clone)]
+pub struct RangeAllocator {
+    capacity: u64,
+    /// Free ranges by start, never adjacent (coalesced on free).
+    free: BTreeMap<u64, u64>,
+    used: u64,
+    live: usize,
+}
+
+impl RangeAllocator {
+    pub fn new(capacity: u64) -> Self {
+        let mut free = BTreeMap::new();
+        if capacity > 0 {
+            free.insert(0, capacity);
+        }
+        Self {
+            capacity,
+            free,
+            used: 0,
+            live: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Reserves `len` bytes (rounded up to [`RANGE_ALIGN`]); returns (offset, reserved len).
+    pub fn alloc(&mut self, len: u64) -> Option<(u64, u64)> {
+        let len = align_up(len);
+        let (&start, &flen) = self.free.iter().find(|&(_, &l)| l >= len)?;
+        self.free.remove(&start);
+        if flen > len {
+            self.free.insert(start + len, flen - len);
+        }
+        self.used += len;
+        self.live += 1;
+        Some((start, len))
+    }
+
+    /// Returns a range from [`alloc`](Self::alloc).
+    pub fn free(&mut self, start: u64, len: u64) {
+        debug_assert!(start + len <= self.capacity);
+        self.used -= len;
+        self.live -= 1;
+        let (mut start, mut len) = (start, len);
+        if let Some((&ps, &pl)) = self.free.range(..start).next_back()
+            && ps + pl == start
+        {
+            self.free.remove(&ps);
+            start = ps;
+            len += pl;
+        }
+        if let Some(&nl) = self.free.get(&(start + len)) {
+            self.free.remove(&(start + len));
+            len += nl;
+        }
+        self.free.insert(start, len);
+    }
+
+    /// Bytes reserved now.
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// Ranges reserved now.
+    pub fn live(&self) -> usize {
+        self.live
+    }
+}
+
+/// A registered buffer of one engine with an allocator over it.
+#[derive(Debug)]
+pub struct Pool {
+    pub name: String,
+    pub buffer: Buffer,
+    alloc: Mutex<RangeAllocator>,
+    freed: Notify,
+}
+
+impl Pool {
+    pub fn new(engine: &Engine, name: impl Into<String>, capacity: u64) -> Result<Arc<Pool>> {
+        let capacity = align_up(capacity);
+        Ok(Arc::new(Pool {
+            name: name.into(),
+            buffer: engine.allocate(capacity)?,
+            alloc: Mutex::new(RangeAllocator::new(capacity)),
+            freed: Notify::new(),
+        }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, RangeAllocator> {
+        self.alloc.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reserves `len` bytes, waiting up to `timeout` for space freed by other requests.
+    pub async fn reserve(self: &Arc<Self>, len: u64, timeout: Duration) -> Result<Lease> {
+        if align_up(len) > self.lock().capacity() {
+            return Err(HarnessError::Pool {
+                pool: self.name.clone(),
+                reason: format!(
+                    "{len} bytes can never fit in {} bytes",
+                    self.lock().capacity()
+                ),
+            });
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some((offset, len)) = self.lock().alloc(len) {
+                return Ok(Lease {
+                    pool: self.clone(),
+                    offset,
+                    len,
+                });
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(HarnessError::Pool {
+                    pool: self.name.clone(),
+                    reason: format!("no room for {len} bytes within {timeout:?}"),
+                });
+            }
+        }
+    }
+
+    /// (bytes, ranges) reserved now.
+    pub fn usage(&self) -> (u64, usize) {
+        let a = self.lock();
+        (a.used(), a.live())
+    }
+}
+
+/// A reserved range; returned to its pool on drop, so every error path releases it.
+#[derive(Debug)]
+pub struct Lease {
+    pub pool: Arc<Pool>,
+    pub offset: u64,
+    /// Reserved length (aligned).
+    pub len: u64,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.pool.lock().free(self.offset, self.len);
+        self.pool.freed.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_disjoint_and_coalesce_back() {
+        let mut a = RangeAllocator::new(10 * RANGE_ALIGN);
+        let x = a.alloc(1).unwrap();
+        let y = a.alloc(RANGE_ALIGN + 1).unwrap();
+        let z = a.alloc(3 * RANGE_ALIGN).unwrap();
+        assert_eq!((x, y, z), ((0, 4096), (4096, 8192), (12288, 12288)));
+        assert!(a.alloc(5 * RANGE_ALIGN).is_none());
+        a.free(y.0, y.1);
+        assert_eq!(a.alloc(2 * RANGE_ALIGN).unwrap().0, 4096);
+        a.free(4096, 8192);
+        a.free(x.0, x.1);
+        a.free(z.0, z.1);
+        assert_eq!((a.used(), a.live()), (0, 0));
+        assert_eq!(a.alloc(10 * RANGE_ALIGN).unwrap(), (0, 10 * RANGE_ALIGN));
+    }
+}

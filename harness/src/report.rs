@@ -1,0 +1,250 @@
+//! The run report, written as `report.json`.
+//!
+//! Field names are stable; later tools (plots, fault reports) read them.
+//!
+//! - `report_version` (1), `scenario`, `mode` (`in_process` | `processes`),
+//!   `transports` (payload kind -> transport), `concurrency`, `wall_s`.
+//! - `summary`: `requests`, `ok`, `failed`, `pools_clean` (every stage's pools,
+//!   KV blocks, encoder-cache entries and engine grants/batches/tasks/leases
+//!   back to zero after the run), `e2e_p50_ms`, `e2e_p99_ms`, `e2e_mean_ms`,
+//!   `throughput_rps` (requests / wall time), `moved_bytes`, `reused_bytes`.
+//! - `hops[]`: per payload kind: `hop`, `transport`, `requests`, `moved_bytes`,
+//!   `reused_bytes`, `transfer_ms_p50`, `transfer_ms_p99`, `gbps` (moved bytes /
+//!   summed transfer time, 1 GB/s = 1e9 B/s), `handoff_ms_p50`, `handoff_ms_p99`.
+//! - `requests[]`: `id`, `label`, `ok`, `error` (the first failing stage's
+//!   error in pipeline order, naming hop, request, tensor and cause), `e2e_ms`,
+//!   `hops[]` (`hop`, `bytes` planned, `moved_bytes`, `reused_bytes`,
+//!   `tensors` verified, `requests` engine requests, `transfer_ms`, `gbps`,
+//!   `handoff_ms`, `verified`), `stages[]` (each stage's [`StageOutcome`]).
+//! - `stages[]`: each stage's [`StageUsage`] after the run.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::stage::{StageOutcome, StageUsage};
+
+pub const REPORT_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub report_version: u32,
+    pub scenario: String,
+    pub mode: String,
+    pub transports: BTreeMap<String, String>,
+    pub concurrency: usize,
+    pub wall_s: f64,
+    pub summary: Summary,
+    pub hops: Vec<HopSummary>,
+    pub requests: Vec<RequestResult>,
+    pub stages: Vec<StageUsage>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub requests: usize,
+    pub ok: usize,
+    pub failed: usize,
+    pub pools_clean: bool,
+    pub e2e_p50_ms: f64,
+    pub e2e_p99_ms: f64,
+    pub e2e_mean_ms: f64,
+    pub throughput_rps: f64,
+    pub moved_bytes: u64,
+    pub reused_bytes: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct HopSummary {
+    pub hop: String,
+    pub transport: String,
+    pub requests: usize,
+    pub moved_bytes: u64,
+    pub reused_bytes: u64,
+    pub transfer_ms_p50: f64,
+    pub transfer_ms_p99: f64,
+    pub gbps: f64,
+    pub handoff_ms_p50: f64,
+    pub handoff_ms_p99: f64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestResult {
+    pub id: String,
+    pub label: String,
+    pub ok: bool,
+    pub error: Option<String>,
+    pub e2e_ms: f64,
+    pub hops: Vec<HopResult>,
+    pub stages: Vec<StageOutcome>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct HopResult {
+    pub hop: String,
+    pub bytes: u64,
+    pub moved_bytes: u64,
+    pub reused_bytes: u64,
+    pub tensors: usize,
+    pub requests: usize,
+    pub transfer_ms: f64,
+    pub gbps: f64,
+    pub handoff_ms: f64,
+    /// The consumer verified every tensor of the hop (digest, bytes where cheap).
+    pub verified: bool,
+}
+
+/// Nearest-rank percentile of `v` (sorted here); 0 for none.
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
+    s[rank.min(s.len()) - 1]
+}
+
+pub(crate) fn gbps(bytes: u64, ms: f64) -> f64 {
+    if ms > 0.0 {
+        bytes as f64 / (ms * 1e6)
+    } else {
+        0.0
+    }
+}
+
+impl Report {
+    /// Every request finished and every pool is back to zero.
+    pub fn passed(&self) -> bool {
+        self.summary.failed == 0 && self.summary.pools_clean
+    }
+
+    /// Fills `summary` and `hops` from `requests` and `stages`.
+    pub fn summarise(&mut self) {
+        let e2e: Vec<f64> = self.requests.iter().map(|r| r.e2e_ms).collect();
+        let ok = self.requests.iter().filter(|r| r.ok).count();
+        // transfer ms, handoff ms, moved, reused, count
+        type Acc = (Vec<f64>, Vec<f64>, u64, u64, usize);
+        let mut hops: BTreeMap<String, Acc> = BTreeMap::new();
+        for r in &self.requests {
+            for h in &r.hops {
+                let e = hops.entry(h.hop.clone()).or_default();
+                e.0.push(h.transfer_ms);
+                e.1.push(h.handoff_ms);
+                e.2 += h.moved_bytes;
+                e.3 += h.reused_bytes;
+                e.4 += 1;
+            }
+        }
+        // Pipeline order, not alphabetical.
+        let order = omnirig_fixtures::PayloadKind::ALL.map(|k| k.as_str());
+        self.hops = order
+            .iter()
+            .filter_map(|k| hops.get(*k).map(|v| (k, v)))
+            .map(|(k, (t, h, moved, reused, n))| HopSummary {
+                hop: k.to_string(),
+                transport: self.transports.get(*k).cloned().unwrap_or_default(),
+                requests: *n,
+                moved_bytes: *moved,
+                reused_bytes: *reused,
+                transfer_ms_p50: percentile(t, 50.0),
+                transfer_ms_p99: percentile(t, 99.0),
+                gbps: gbps(*moved, t.iter().sum()),
+                handoff_ms_p50: percentile(h, 50.0),
+                handoff_ms_p99: percentile(h, 99.0),
+            })
+            .collect();
+        self.summary = Summary {
+            requests: self.requests.len(),
+            ok,
+            failed: self.requests.len() - ok,
+            pools_clean: self.stages.iter().all(StageUsage::is_clean),
+            e2e_p50_ms: percentile(&e2e, 50.0),
+            e2e_p99_ms: percentile(&e2e, 99.0),
+            e2e_mean_ms: if e2e.is_empty() {
+                0.0
+            } else {
+                e2e.iter().sum::<f64>() / e2e.len() as f64
+            },
+            throughput_rps: if self.wall_s > 0.0 {
+                self.requests.len() as f64 / self.wall_s
+            } else {
+                0.0
+            },
+            moved_bytes: self.hops.iter().map(|h| h.moved_bytes).sum(),
+            reused_bytes: self.hops.iter().map(|h| h.reused_bytes).sum(),
+        };
+    }
+
+    /// Writes `dir/report.json` (creating `dir`); returns its path.
+    pub fn write(&self, dir: &Path) -> Result<PathBuf> {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join("report.json");
+        let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(&path, json + "\n")?;
+        Ok(path)
+    }
+
+    /// A short human summary.
+    pub fn summary_text(&self) -> String {
+        use std::fmt::Write;
+        let s = &self.summary;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "scenario {} ({}, concurrency {}): {}/{} requests ok, pools {}",
+            self.scenario,
+            self.mode,
+            self.concurrency,
+            s.ok,
+            s.requests,
+            if s.pools_clean { "clean" } else { "NOT clean" }
+        );
+        let _ = writeln!(
+            out,
+            "end-to-end: p50 {:.1} ms, p99 {:.1} ms, {:.2} req/s over {:.2} s",
+            s.e2e_p50_ms, s.e2e_p99_ms, s.throughput_rps, self.wall_s
+        );
+        for h in &self.hops {
+            let _ = writeln!(
+                out,
+                "  {:<19} {:<8} {:>3} req  {:>10.1} MiB moved  {:>8.1} MiB reused  {:>6.2} GB/s  transfer p50 {:.2} ms",
+                h.hop,
+                h.transport,
+                h.requests,
+                h.moved_bytes as f64 / (1 << 20) as f64,
+                h.reused_bytes as f64 / (1 << 20) as f64,
+                h.gbps,
+                h.transfer_ms_p50
+            );
+        }
+        for r in self.requests.iter().filter(|r| !r.ok) {
+            let _ = writeln!(
+                out,
+                "FAILED {}: {}",
+                r.id,
+                r.error.as_deref().unwrap_or("?")
+            );
+        }
+        for st in self.stages.iter().filter(|u| !u.is_clean()) {
+            let _ = writeln!(out, "LEAK in {}: {:?}", st.stage, st);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&[3.0], 99.0), 3.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+}

@@ -1,0 +1,254 @@
+//! The pipeline runner: builds the five stages (in this process, or as OS
+//! processes over TCP), runs a scenario's requests with its concurrency and
+//! arrival pattern, and gathers the [`Report`].
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
+use omnirig_transports::{Engine, EngineConfig, InProcessStore, TransportPolicy};
+
+use crate::control::Link;
+use crate::error::Result;
+use crate::report::{HopResult, REPORT_VERSION, Report, RequestResult, gbps};
+use crate::scenario::{PlannedRequest, Scenario};
+use crate::stage::{HopEnd, StageOutcome, StageUsage, StageWorker, inbound_kind, outbound_kind};
+
+/// Runs a scenario.
+#[derive(Debug, Clone)]
+pub struct Runner {
+    scenario: Scenario,
+    processes: Option<PathBuf>,
+    progress: bool,
+}
+
+/// A way to run one request on all five stages.
+pub(crate) enum Stages {
+    Local(Arc<Vec<StageWorker>>),
+    Remote(Arc<crate::process::Remote>),
+}
+
+impl Stages {
+    async fn process(&self, id: &str, spec: &RequestSpec) -> Vec<StageOutcome> {
+        match self {
+            Stages::Local(w) => {
+                futures_util::future::join_all(w.iter().map(|w| w.process(id, spec))).await
+            }
+            Stages::Remote(r) => r.process(id, spec).await,
+        }
+    }
+
+    async fn drain(&self) -> Vec<StageUsage> {
+        match self {
+            Stages::Local(w) => futures_util::future::join_all(w.iter().map(|w| w.drain())).await,
+            Stages::Remote(r) => r.shutdown().await,
+        }
+    }
+}
+
+static RUNS: AtomicUsize = AtomicUsize::new(0);
+
+/// Builds the five stages in this process: one engine per hop end, engines
+/// finding each other through a store of this run's own.
+pub async fn local_stages(scenario: &Scenario, plans: &[&RequestPlan]) -> Result<Vec<StageWorker>> {
+    let sizes = scenario.pool_sizes(plans);
+    let store = InProcessStore::new();
+    let tag = format!(
+        "r{}x{}",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut ends: BTreeMap<&str, (HopEnd, HopEnd)> = BTreeMap::new();
+    for kind in PayloadKind::ALL {
+        let transport = scenario.transport_for(kind)?;
+        let mk = |side: &str| {
+            let mut c = EngineConfig::new(format!("{tag}-{kind}-{side}"))
+                .store(store.clone())
+                .policy(TransportPolicy::Only(transport));
+            if transport == "loopback" {
+                c = c.tcp_listen(None);
+            }
+            c
+        };
+        let tx = Arc::new(Engine::new(mk("tx")).await?);
+        let rx = Arc::new(Engine::new(mk("rx")).await?);
+        let (a, b) = Link::pair(kind.as_str());
+        ends.insert(
+            kind.as_str(),
+            (
+                HopEnd {
+                    engine: tx,
+                    link: a,
+                },
+                HopEnd {
+                    engine: rx,
+                    link: b,
+                },
+            ),
+        );
+    }
+    Stage::ALL
+        .into_iter()
+        .map(|stage| {
+            let inbound = inbound_kind(stage).map(|k| ends[k.as_str()].1.clone());
+            let outbound = outbound_kind(stage).map(|k| ends[k.as_str()].0.clone());
+            StageWorker::new(scenario.stage_config(stage, sizes), inbound, outbound)
+        })
+        .collect()
+}
+
+impl Runner {
+    pub fn new(scenario: Scenario) -> Self {
+        Self {
+            scenario,
+            processes: None,
+            progress: false,
+        }
+    }
+
+    /// Runs each stage as its own OS process (`exe stage ...`) over TCP on 127.0.0.1.
+    pub fn processes(mut self, exe: PathBuf) -> Self {
+        self.processes = Some(exe);
+        self
+    }
+
+    /// One line per finished request on stderr.
+    pub fn progress(mut self, on: bool) -> Self {
+        self.progress = on;
+        self
+    }
+
+    pub fn scenario(&self) -> &Scenario {
+        &self.scenario
+    }
+
+    pub async fn run(&self) -> Result<Report> {
+        let requests = self.scenario.expand()?;
+        let plans: Vec<&RequestPlan> = requests.iter().map(|r| &r.plan).collect();
+        let (stages, mode) = match &self.processes {
+            None => (
+                Stages::Local(Arc::new(local_stages(&self.scenario, &plans).await?)),
+                "in_process",
+            ),
+            Some(exe) => (
+                Stages::Remote(Arc::new(
+                    crate::process::Remote::spawn(exe, &self.scenario).await?,
+                )),
+                "processes",
+            ),
+        };
+        let stages = Arc::new(stages);
+        let t0 = Instant::now();
+        let results = self.drive(&stages, &requests).await;
+        let wall_s = t0.elapsed().as_secs_f64();
+        let usage = stages.drain().await;
+        let mut transports = BTreeMap::new();
+        for k in PayloadKind::ALL {
+            let t = if self.processes.is_some() {
+                "tcp"
+            } else {
+                self.scenario.transport_for(k)?
+            };
+            transports.insert(k.as_str().to_string(), t.to_string());
+        }
+        let mut report = Report {
+            report_version: REPORT_VERSION,
+            scenario: self.scenario.name.clone(),
+            mode: mode.into(),
+            transports,
+            concurrency: self.scenario.concurrency,
+            wall_s,
+            summary: Default::default(),
+            hops: vec![],
+            requests: results,
+            stages: usage,
+        };
+        report.summarise();
+        Ok(report)
+    }
+
+    async fn drive(&self, stages: &Arc<Stages>, requests: &[PlannedRequest]) -> Vec<RequestResult> {
+        let sem = Arc::new(tokio::sync::Semaphore::new(self.scenario.concurrency));
+        let offsets = self.scenario.arrival_offsets(requests.len());
+        let start = tokio::time::Instant::now();
+        let done = Arc::new(AtomicUsize::new(0));
+        let total = requests.len();
+        let mut handles = Vec::new();
+        for (r, off) in requests.iter().zip(offsets) {
+            if let Some(off) = off {
+                tokio::time::sleep_until(start + off).await;
+            }
+            let permit = sem.clone().acquire_owned().await.expect("never closed");
+            let (stages, r, done, progress) =
+                (stages.clone(), r.clone(), done.clone(), self.progress);
+            handles.push(tokio::spawn(async move {
+                let t = Instant::now();
+                let outcomes = stages.process(&r.id, &r.spec).await;
+                let e2e_ms = t.elapsed().as_secs_f64() * 1e3;
+                drop(permit);
+                let res = request_result(&r, outcomes, e2e_ms);
+                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                if progress {
+                    match &res.error {
+                        None => eprintln!("[{n}/{total}] {} ok in {e2e_ms:.1} ms", res.id),
+                        Some(e) => eprintln!("[{n}/{total}] {} FAILED: {e}", res.id),
+                    }
+                }
+                res
+            }));
+        }
+        let mut out = Vec::with_capacity(handles.len());
+        for h in handles {
+            out.push(h.await.unwrap_or_else(|e| RequestResult {
+                error: Some(format!("request task panicked: {e}")),
+                ..Default::default()
+            }));
+        }
+        out
+    }
+}
+
+/// Joins the stages' outcomes into one request's result.
+pub fn request_result(r: &PlannedRequest, stages: Vec<StageOutcome>, e2e_ms: f64) -> RequestResult {
+    let error = stages.iter().find_map(|s| s.error.clone());
+    let hops = r
+        .plan
+        .hops
+        .iter()
+        .map(|h| {
+            let sent = stages
+                .iter()
+                .find(|s| s.stage == h.source.as_str())
+                .and_then(|s| s.sent.clone())
+                .unwrap_or_default();
+            let rec = stages
+                .iter()
+                .find(|s| s.stage == h.target.as_str())
+                .and_then(|s| s.received.clone());
+            HopResult {
+                hop: h.payload_kind.as_str().into(),
+                bytes: h.total_bytes(),
+                moved_bytes: sent.bytes,
+                reused_bytes: rec.as_ref().map_or(0, |r| r.reused_bytes),
+                tensors: rec.as_ref().map_or(0, |r| r.tensors),
+                requests: sent.requests,
+                transfer_ms: sent.transfer_ms,
+                gbps: gbps(sent.bytes, sent.transfer_ms),
+                handoff_ms: rec.as_ref().map_or(0.0, |r| r.handoff_ms),
+                verified: rec.is_some(),
+            }
+        })
+        .collect();
+    RequestResult {
+        id: r.id.clone(),
+        label: r.label.clone(),
+        ok: error.is_none() && stages.iter().all(|s| s.error.is_none()),
+        error,
+        e2e_ms,
+        hops,
+        stages,
+    }
+}

@@ -1,0 +1,1206 @@
+//! A stage worker: its stub, its engines and registered pools, and its side of
+//! each hop's connector.
+//!
+//! Each hop end has its own engine (a stage touching two hops has two): an
+//! engine's transport policy is per engine, and a scenario picks the
+//! transport per hop. Every hop is consumer-driven: the consumer reserves and
+//! grants, the producer writes, then reports FINISH (EC, KV), the packet v1
+//! sidecar (stage connector), or ERROR naming what failed.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use omnirig_fixtures::{
+    Digest128, Hop, KvLayout, ModelCard, Packet, PayloadKind, RequestPlan, RequestSpec,
+    ShapeOptions, Stage, TensorEntry, packet::TransferKey, plan_request,
+};
+use omnirig_model_stubs::{ComputeTime, Stub};
+use omnirig_transports::{Access, Buffer, Engine, Grant, Request, Usage};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::control::{Link, Msg, NamedDigest, NamedGrant};
+use crate::ec::{EcAcquire, EcSlot, EncoderCache};
+use crate::error::{HarnessError, Result};
+use crate::kv::{
+    BlockPool, KvGeometry, KvGrant, KvReservation, block_hash, contiguous_runs, plan_kv_writes,
+};
+use crate::pool::{Lease, Pool};
+
+/// Registered memory per stage, sized by the runner for the scenario's
+/// concurrency and largest request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolSizes {
+    /// Encoder staging and prefill's encoder cache.
+    pub ec_bytes: u64,
+    /// Paged KV capacity, per side (decode adds its null block).
+    pub kv_blocks: u32,
+    /// Decode staging and talker's receive pool.
+    pub t2t_bytes: u64,
+    /// Talker staging and code2wav's receive pool.
+    pub codes_bytes: u64,
+}
+
+/// Everything a stage needs besides its engines and links.
+#[derive(Debug, Clone)]
+pub struct StageConfig {
+    pub stage: Stage,
+    pub card: Arc<ModelCard>,
+    pub options: ShapeOptions,
+    pub compute: ComputeTime,
+    pub hop_timeout: Duration,
+    pub prefix_cache: bool,
+    pub sizes: PoolSizes,
+}
+
+/// The hop a stage receives, if any.
+pub fn inbound_kind(stage: Stage) -> Option<PayloadKind> {
+    PayloadKind::ALL.into_iter().find(|k| k.target() == stage)
+}
+
+/// The hop a stage sends, if any.
+pub fn outbound_kind(stage: Stage) -> Option<PayloadKind> {
+    PayloadKind::ALL.into_iter().find(|k| k.source() == stage)
+}
+
+/// One end of a hop: the engine for it and the control link to the peer stage.
+#[derive(Debug, Clone)]
+pub struct HopEnd {
+    pub engine: Arc<Engine>,
+    pub link: Link,
+}
+
+/// What a stage did for one request. Field names are stable (report.json).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageOutcome {
+    pub stage: String,
+    /// False when the request has no work for this stage (no encoder for text only).
+    pub participated: bool,
+    pub error: Option<String>,
+    pub received: Option<Received>,
+    pub sent: Option<Sent>,
+    pub compute_ms: f64,
+    pub total_ms: f64,
+}
+
+/// The consumer's view of a hop.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Received {
+    pub hop: String,
+    /// Tensors verified (digest, and bytes where cheap) before the stage started.
+    pub tensors: usize,
+    /// Bytes that arrived for this request.
+    pub landed_bytes: u64,
+    /// Bytes not transferred because they were cached (EC dedupe, KV prefix hit).
+    pub reused_bytes: u64,
+    /// Reservation sent -> every tensor verified.
+    pub handoff_ms: f64,
+    pub verify_ms: f64,
+}
+
+/// The producer's view of a hop.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sent {
+    pub hop: String,
+    pub tensors: usize,
+    /// Engine requests (a KV run contiguous on both sides is one).
+    pub requests: usize,
+    pub bytes: u64,
+    /// The engine transfer alone.
+    pub transfer_ms: f64,
+}
+
+/// Pool and engine usage of a stage; all zero after a clean run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageUsage {
+    pub stage: String,
+    /// (pool name, bytes reserved, ranges reserved)
+    pub pools: Vec<(String, u64, usize)>,
+    pub kv_blocks_in_use: usize,
+    pub ec_entries_in_use: usize,
+    /// Per engine: grants, batches, tasks, leases.
+    pub engines: Vec<(String, usize, usize, usize, usize)>,
+    pub open_mailboxes: usize,
+}
+
+impl StageUsage {
+    pub fn is_clean(&self) -> bool {
+        self.pools.iter().all(|p| p.1 == 0 && p.2 == 0)
+            && self.kv_blocks_in_use == 0
+            && self.ec_entries_in_use == 0
+            && self
+                .engines
+                .iter()
+                .all(|e| (e.1, e.2, e.3, e.4) == (0, 0, 0, 0))
+            && self.open_mailboxes == 0
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Paged KV cache in one registered buffer.
+#[derive(Debug)]
+pub struct PagedKv {
+    pub buffer: Buffer,
+    pub geo: KvGeometry,
+    blocks: Mutex<BlockPool>,
+    freed: Notify,
+}
+
+impl PagedKv {
+    fn new(engine: &Engine, geo: KvGeometry, reserved: u32) -> Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            buffer: engine.allocate(geo.buffer_bytes())?,
+            geo,
+            blocks: Mutex::new(BlockPool::new(geo.capacity, reserved)),
+            freed: Notify::new(),
+        }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BlockPool> {
+        self.blocks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn alloc(&self, n: usize, timeout: Duration) -> Result<Vec<u32>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if n > self.geo.capacity as usize {
+                break;
+            }
+            if let Some(b) = self.lock().alloc(n) {
+                return Ok(b);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                break;
+            }
+        }
+        Err(HarnessError::Pool {
+            pool: "kv_cache".into(),
+            reason: format!("no room for {n} blocks of {}", self.geo.capacity),
+        })
+    }
+}
+
+/// Blocks a request holds (and grants over them); released on drop.
+struct KvHeld {
+    kv: Arc<PagedKv>,
+    engine: Arc<Engine>,
+    blocks: Vec<u32>,
+    grants: Vec<Grant>,
+}
+
+impl Drop for KvHeld {
+    fn drop(&mut self) {
+        // Revoke first: no byte may land in blocks handed back.
+        for g in self.grants.drain(..) {
+            self.engine.revoke(&g);
+        }
+        self.kv.lock().release(&self.blocks);
+        self.kv.freed.notify_waiters();
+    }
+}
+
+/// Prefill's encoder cache in one registered buffer.
+#[derive(Debug)]
+pub struct EcStore {
+    pub buffer: Buffer,
+    cache: Mutex<EncoderCache>,
+    changed: Notify,
+}
+
+impl EcStore {
+    fn lock(&self) -> std::sync::MutexGuard<'_, EncoderCache> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A request's uses of encoder-cache entries; released (or failed) on drop.
+struct EcHeld {
+    store: Arc<EcStore>,
+    engine: Arc<Engine>,
+    ready: Vec<String>,
+    /// (mm_hash, offset, tensor) reserved and not yet verified.
+    reserved: Vec<(String, u64, String)>,
+    grants: Vec<Grant>,
+}
+
+impl EcHeld {
+    fn revoke(&mut self) {
+        for g in self.grants.drain(..) {
+            self.engine.revoke(&g);
+        }
+    }
+}
+
+impl Drop for EcHeld {
+    fn drop(&mut self) {
+        self.revoke();
+        let mut c = self.store.lock();
+        for (h, _, _) in &self.reserved {
+            c.fail(h);
+        }
+        for h in &self.ready {
+            c.release(h);
+        }
+        drop(c);
+        self.store.changed.notify_waiters();
+    }
+}
+
+/// Stage-connector destinations a request holds; grants revoked, then ranges freed.
+struct LeasesHeld {
+    engine: Arc<Engine>,
+    grants: Vec<Grant>,
+    _leases: Vec<Lease>,
+}
+
+impl Drop for LeasesHeld {
+    fn drop(&mut self) {
+        for g in self.grants.drain(..) {
+            self.engine.revoke(&g);
+        }
+    }
+}
+
+/// Whatever a stage holds for a request between receiving and finishing.
+type Held = Box<dyn Send>;
+
+#[derive(Debug)]
+enum InMem {
+    Ec(Arc<EcStore>),
+    Kv(Arc<PagedKv>),
+    Pool(Arc<Pool>),
+}
+
+#[derive(Debug)]
+enum OutMem {
+    Staging(Arc<Pool>),
+    Kv(Arc<PagedKv>),
+}
+
+#[derive(Debug)]
+struct Side<M> {
+    end: HopEnd,
+    mem: M,
+}
+
+/// One stage: stub, hop ends, pools.
+#[derive(Debug)]
+pub struct StageWorker {
+    cfg: StageConfig,
+    stub: Stub,
+    inbound: Option<Side<InMem>>,
+    outbound: Option<Side<OutMem>>,
+}
+
+fn kv_geometry(card: &ModelCard, options: &ShapeOptions, capacity: u32) -> KvGeometry {
+    let t = &card.thinker;
+    KvGeometry {
+        num_layers: t.num_layers,
+        capacity,
+        block_bytes: options.block_tokens
+            * u64::from(t.num_kv_heads)
+            * t.head_dim
+            * t.kv_dtype.size_bytes() as u64,
+    }
+}
+
+impl StageWorker {
+    /// Builds the stage's memory on its hop ends' engines. `inbound` / `outbound`
+    /// must be given exactly for the hops the stage has.
+    pub fn new(
+        cfg: StageConfig,
+        inbound: Option<HopEnd>,
+        outbound: Option<HopEnd>,
+    ) -> Result<Self> {
+        let stage = cfg.stage;
+        let s = cfg.sizes;
+        let setup = |what: &str| HarnessError::Setup(format!("{stage}: {what}"));
+        let inbound = match (inbound_kind(stage), inbound) {
+            (Some(kind), Some(end)) => {
+                let e = &end.engine;
+                let mem = match kind {
+                    PayloadKind::EncoderEmbeddings => {
+                        let buf = e.allocate(crate::pool::align_up(s.ec_bytes))?;
+                        InMem::Ec(Arc::new(EcStore {
+                            cache: Mutex::new(EncoderCache::new(buf.len())),
+                            buffer: buf,
+                            changed: Notify::new(),
+                        }))
+                    }
+                    // Decode keeps block 0 as its null block, as vLLM does, so its ids differ from prefill's.
+                    PayloadKind::KvCache => InMem::Kv(PagedKv::new(
+                        e,
+                        kv_geometry(&cfg.card, &cfg.options, s.kv_blocks + 1),
+                        1,
+                    )?),
+                    PayloadKind::ThinkerToTalker => {
+                        InMem::Pool(Pool::new(e, "talker.in", s.t2t_bytes)?)
+                    }
+                    PayloadKind::TalkerToCode2wav => {
+                        InMem::Pool(Pool::new(e, "code2wav.in", s.codes_bytes)?)
+                    }
+                };
+                Some(Side { end, mem })
+            }
+            (None, None) => None,
+            _ => {
+                return Err(setup(
+                    "inbound hop end given where none belongs, or missing",
+                ));
+            }
+        };
+        let outbound = match (outbound_kind(stage), outbound) {
+            (Some(kind), Some(end)) => {
+                let e = &end.engine;
+                let mem = match kind {
+                    PayloadKind::EncoderEmbeddings => {
+                        OutMem::Staging(Pool::new(e, "encoder.out", s.ec_bytes)?)
+                    }
+                    PayloadKind::KvCache => OutMem::Kv(PagedKv::new(
+                        e,
+                        kv_geometry(&cfg.card, &cfg.options, s.kv_blocks),
+                        0,
+                    )?),
+                    PayloadKind::ThinkerToTalker => {
+                        OutMem::Staging(Pool::new(e, "thinker_decode.out", s.t2t_bytes)?)
+                    }
+                    PayloadKind::TalkerToCode2wav => {
+                        OutMem::Staging(Pool::new(e, "talker.out", s.codes_bytes)?)
+                    }
+                };
+                Some(Side { end, mem })
+            }
+            (None, None) => None,
+            _ => {
+                return Err(setup(
+                    "outbound hop end given where none belongs, or missing",
+                ));
+            }
+        };
+        Ok(Self {
+            stub: Stub::new(stage, cfg.compute),
+            cfg,
+            inbound,
+            outbound,
+        })
+    }
+
+    pub fn stage(&self) -> Stage {
+        self.cfg.stage
+    }
+
+    /// Runs this stage's part of one request. Never panics on bad input: every
+    /// failure ends up in the outcome's `error`, and what the request held is released.
+    pub async fn process(&self, request: &str, spec: &RequestSpec) -> StageOutcome {
+        let t0 = Instant::now();
+        let mut out = StageOutcome {
+            stage: self.cfg.stage.as_str().into(),
+            ..Default::default()
+        };
+        let plan = match plan_request(&self.cfg.card, spec, &self.cfg.options) {
+            Ok(p) => p,
+            Err(e) => {
+                out.error = Some(format!("request {request}: {e}"));
+                return out;
+            }
+        };
+        if self.stub.participates(&plan) {
+            out.participated = true;
+            if let Err(e) = self.run(request, &plan, &mut out).await {
+                out.error = Some(e.to_string());
+            }
+        }
+        for side in [
+            self.inbound.as_ref().map(|s| &s.end),
+            self.outbound.as_ref().map(|s| &s.end),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            side.link.forget(request);
+        }
+        out.total_ms = ms(t0.elapsed());
+        out
+    }
+
+    async fn run(&self, rid: &str, plan: &RequestPlan, out: &mut StageOutcome) -> Result<()> {
+        let held = match (&self.inbound, self.stub.inbound(plan)) {
+            (Some(side), Some(hop)) => match self.receive(side, plan, hop, rid).await {
+                Ok((held, rec)) => {
+                    out.received = Some(rec);
+                    Some(held)
+                }
+                Err(e) => {
+                    self.abort_outbound(rid, plan, &e).await;
+                    return Err(e);
+                }
+            },
+            (None, Some(hop)) => {
+                return Err(HarnessError::Setup(format!(
+                    "{} has no connector for {}",
+                    self.cfg.stage, hop.payload_kind
+                )));
+            }
+            _ => None,
+        };
+        // Fence passed: every inbound tensor completed and matched. Now "compute".
+        let c = self.stub.compute_time(plan);
+        let t = Instant::now();
+        if !c.is_zero() {
+            tokio::time::sleep(c).await;
+        }
+        out.compute_ms = ms(t.elapsed());
+        if let (Some(side), Some(hop)) = (&self.outbound, self.stub.outbound(plan)) {
+            out.sent = Some(self.send(side, plan, hop, rid).await?);
+        }
+        drop(held);
+        Ok(())
+    }
+
+    fn timeout(&self) -> Duration {
+        self.cfg.hop_timeout
+    }
+
+    // ---------------------------------------------------------------- consumer
+
+    async fn receive(
+        &self,
+        side: &Side<InMem>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+    ) -> Result<(Held, Received)> {
+        let t0 = Instant::now();
+        let link = &side.end.link;
+        let engine = &side.end.engine;
+        let hop_err = |tensor: Option<&str>, cause: &dyn std::fmt::Display| {
+            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
+        };
+        // Refuse upstream if we cannot even reserve, so it does not wait for us.
+        let refuse = |e: HarnessError| {
+            let _ = link.send(Msg::Refuse {
+                request: rid.into(),
+                cause: e.to_string(),
+            });
+            e
+        };
+        let mut rec = Received {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        let held: Held = match &side.mem {
+            InMem::Ec(store) => {
+                let mut held = EcHeld {
+                    store: store.clone(),
+                    engine: engine.clone(),
+                    ready: vec![],
+                    reserved: vec![],
+                    grants: vec![],
+                };
+                let slots = self
+                    .reserve_ec(store, engine, plan, hop, rid, &mut held, &mut rec)
+                    .await
+                    .map_err(refuse)?;
+                link.send(Msg::EcReserve {
+                    request: rid.into(),
+                    slots,
+                })?;
+                let reply = link.recv(rid, self.timeout()).await;
+                held.revoke();
+                let tv = Instant::now();
+                match reply? {
+                    Msg::Finish { digests, .. } => {
+                        for (hash, offset, tensor) in std::mem::take(&mut held.reserved) {
+                            let spec = hop.tensor(&tensor).expect("reserved from the hop");
+                            let found = store
+                                .buffer
+                                .view(offset, spec.byte_length, |b| {
+                                    self.stub.check_input(plan, &tensor, b)
+                                })
+                                .map_err(|e| hop_err(Some(&tensor), &e))?;
+                            let found = found.map_err(|e| {
+                                // Mark it failed (not cached) before erroring.
+                                held.reserved.push((hash.clone(), offset, tensor.clone()));
+                                hop_err(Some(&tensor), &e)
+                            })?;
+                            let declared = digests.iter().find(|d| d.tensor == tensor);
+                            if declared.map(|d| d.digest.as_str()) != Some(&found.to_hex()) {
+                                held.reserved.push((hash.clone(), offset, tensor.clone()));
+                                return Err(hop_err(
+                                    Some(&tensor),
+                                    &"producer's FINISH digest missing or different",
+                                ));
+                            }
+                            store.lock().ready(&hash);
+                            store.changed.notify_waiters();
+                            held.ready.push(hash);
+                            rec.tensors += 1;
+                            rec.landed_bytes += spec.byte_length;
+                        }
+                    }
+                    other => return Err(Self::bad_reply(hop, rid, other)),
+                }
+                rec.verify_ms = ms(tv.elapsed());
+                Box::new(held)
+            }
+            InMem::Kv(kv) => {
+                let layout = hop
+                    .kv
+                    .as_ref()
+                    .ok_or_else(|| hop_err(None, &"no KV layout"))?;
+                let n = layout.num_blocks as usize;
+                let full = (layout.tokens / layout.block_tokens) as usize;
+                // At least one block always moves (the last token is recomputed).
+                let hashes: Vec<_> = (0..full.min(n.saturating_sub(1)) as u64)
+                    .map(|i| block_hash(plan.seed, i))
+                    .collect();
+                let hit = if self.cfg.prefix_cache {
+                    kv.lock().lookup_prefix(&hashes)
+                } else {
+                    vec![]
+                };
+                let mut held = KvHeld {
+                    kv: kv.clone(),
+                    engine: engine.clone(),
+                    blocks: hit,
+                    grants: vec![],
+                };
+                let first_block = held.blocks.len() as u32;
+                let tail = kv
+                    .alloc(n - held.blocks.len(), self.timeout())
+                    .await
+                    .map_err(|e| refuse(hop_err(None, &e)))?;
+                held.blocks.extend_from_slice(&tail);
+                let bb = kv.geo.block_bytes;
+                let mut grants = Vec::new();
+                for layer in 0..layout.num_layers {
+                    for v in [false, true] {
+                        for (start, id, len) in contiguous_runs(&tail) {
+                            let g = engine
+                                .grant(
+                                    &kv.buffer,
+                                    kv.geo.offset(layer, v, id),
+                                    u64::from(len) * bb,
+                                    Access::Write,
+                                )
+                                .map_err(|e| refuse(hop_err(None, &e)))?;
+                            held.grants.push(g.clone());
+                            grants.push(KvGrant {
+                                layer,
+                                v,
+                                start,
+                                len,
+                                grant: g,
+                            });
+                        }
+                    }
+                }
+                link.send(Msg::KvReserve {
+                    request: rid.into(),
+                    reservation: KvReservation {
+                        first_block,
+                        dst_blocks: tail.clone(),
+                        grants,
+                    },
+                })?;
+                let reply = link.recv(rid, self.timeout()).await;
+                for g in held.grants.drain(..) {
+                    engine.revoke(&g);
+                }
+                let tv = Instant::now();
+                match reply? {
+                    Msg::Finish { .. } => {
+                        // Every block the stage will use, reused ones included.
+                        for layer in 0..layout.num_layers {
+                            for v in [false, true] {
+                                let name = if v {
+                                    KvLayout::v_name(layer)
+                                } else {
+                                    KvLayout::k_name(layer)
+                                };
+                                let digests = held
+                                    .blocks
+                                    .iter()
+                                    .map(|&b| {
+                                        kv.buffer.view(
+                                            kv.geo.offset(layer, v, b),
+                                            bb,
+                                            Digest128::of_bytes,
+                                        )
+                                    })
+                                    .collect::<std::result::Result<Vec<_>, _>>()
+                                    .map_err(|e| hop_err(Some(&name), &e))?;
+                                self.stub
+                                    .check_kv_blocks(plan, &name, &digests)
+                                    .map_err(|e| hop_err(Some(&name), &e))?;
+                            }
+                        }
+                        if self.cfg.prefix_cache {
+                            let mut pool = kv.lock();
+                            for (i, &b) in held.blocks.iter().enumerate().take(full) {
+                                pool.commit(b, block_hash(plan.seed, i as u64));
+                            }
+                        }
+                    }
+                    other => return Err(Self::bad_reply(hop, rid, other)),
+                }
+                rec.verify_ms = ms(tv.elapsed());
+                let per_block = 2 * u64::from(layout.num_layers) * bb;
+                rec.tensors = hop.tensors.len();
+                rec.landed_bytes = tail.len() as u64 * per_block;
+                rec.reused_bytes = u64::from(first_block) * per_block;
+                Box::new(held)
+            }
+            InMem::Pool(pool) => {
+                let mut held = LeasesHeld {
+                    engine: engine.clone(),
+                    grants: vec![],
+                    _leases: vec![],
+                };
+                let mut grants = Vec::new();
+                let mut leases = Vec::new();
+                for t in &hop.tensors {
+                    let lease = pool
+                        .reserve(t.byte_length, self.timeout())
+                        .await
+                        .map_err(|e| refuse(hop_err(Some(&t.name), &e)))?;
+                    let g = engine
+                        .grant(&pool.buffer, lease.offset, t.byte_length, Access::Write)
+                        .map_err(|e| refuse(hop_err(Some(&t.name), &e)))?;
+                    held.grants.push(g.clone());
+                    leases.push(lease.offset);
+                    held._leases.push(lease);
+                    grants.push(NamedGrant {
+                        tensor: t.name.clone(),
+                        grant: g,
+                    });
+                }
+                link.send(Msg::StageReserve {
+                    request: rid.into(),
+                    grants,
+                })?;
+                let reply = link.recv(rid, self.timeout()).await;
+                for g in held.grants.drain(..) {
+                    engine.revoke(&g);
+                }
+                let tv = Instant::now();
+                match reply? {
+                    Msg::Packet { packet, .. } => {
+                        let p = Packet::from_msgpack(&packet)
+                            .map_err(|e| hop_err(None, &format!("packet refused: {e}")))?;
+                        if p.request_id != rid || p.payload_kind != hop.payload_kind {
+                            return Err(hop_err(
+                                None,
+                                &format!(
+                                    "packet is for request {} / {}",
+                                    p.request_id, p.payload_kind
+                                ),
+                            ));
+                        }
+                        for (t, &offset) in hop.tensors.iter().zip(&leases) {
+                            let e = p.entry(&t.name).ok_or_else(|| {
+                                hop_err(Some(&t.name), &"missing from the packet")
+                            })?;
+                            if e.dtype != t.dtype || e.shape != t.shape {
+                                return Err(hop_err(
+                                    Some(&t.name),
+                                    &format!(
+                                        "packet says {} {:?}, expected {} {:?}",
+                                        e.dtype, e.shape, t.dtype, t.shape
+                                    ),
+                                ));
+                            }
+                            let found = pool
+                                .buffer
+                                .view(offset, t.byte_length, |b| {
+                                    self.stub.check_input(plan, &t.name, b)
+                                })
+                                .map_err(|e| hop_err(Some(&t.name), &e))?
+                                .map_err(|e| hop_err(Some(&t.name), &e))?;
+                            if found != e.digest {
+                                return Err(hop_err(
+                                    Some(&t.name),
+                                    &"landed bytes differ from the packet's digest",
+                                ));
+                            }
+                            rec.tensors += 1;
+                            rec.landed_bytes += t.byte_length;
+                        }
+                    }
+                    other => return Err(Self::bad_reply(hop, rid, other)),
+                }
+                rec.verify_ms = ms(tv.elapsed());
+                Box::new(held)
+            }
+        };
+        rec.handoff_ms = ms(t0.elapsed());
+        Ok((held, rec))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn reserve_ec(
+        &self,
+        store: &Arc<EcStore>,
+        engine: &Engine,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        held: &mut EcHeld,
+        rec: &mut Received,
+    ) -> Result<Vec<EcSlot>> {
+        let deadline = tokio::time::Instant::now() + self.timeout();
+        let mut slots: Vec<EcSlot> = Vec::new();
+        let mut seen = HashSet::new();
+        for item in &plan.mm_items {
+            if !seen.insert(item.mm_hash.clone()) {
+                continue;
+            }
+            let spec = hop.tensor(&item.tensor_name).ok_or_else(|| {
+                HarnessError::handoff(
+                    hop.payload_kind,
+                    rid,
+                    Some(&item.tensor_name),
+                    "not in the hop",
+                )
+            })?;
+            loop {
+                let notified = store.changed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let got = store.lock().acquire(&item.mm_hash, spec.byte_length);
+                match got {
+                    EcAcquire::Hit { .. } => {
+                        held.ready.push(item.mm_hash.clone());
+                        rec.reused_bytes += spec.byte_length;
+                        slots.push(EcSlot {
+                            mm_hash: item.mm_hash.clone(),
+                            tensor: spec.name.clone(),
+                            grant: None,
+                        });
+                        break;
+                    }
+                    EcAcquire::Reserve { offset, .. } => {
+                        held.reserved
+                            .push((item.mm_hash.clone(), offset, spec.name.clone()));
+                        let g =
+                            engine.grant(&store.buffer, offset, spec.byte_length, Access::Write)?;
+                        held.grants.push(g.clone());
+                        slots.push(EcSlot {
+                            mm_hash: item.mm_hash.clone(),
+                            tensor: spec.name.clone(),
+                            grant: Some(g),
+                        });
+                        break;
+                    }
+                    // Another request is receiving it, or no room yet: wait for a change.
+                    EcAcquire::Pending | EcAcquire::NoRoom => {
+                        if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                            return Err(HarnessError::handoff(
+                                hop.payload_kind,
+                                rid,
+                                Some(&spec.name),
+                                format!("encoder cache: {got:?} for {:?}", self.timeout()),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(slots)
+    }
+
+    fn bad_reply(hop: &Hop, rid: &str, msg: Msg) -> HarnessError {
+        match msg {
+            Msg::Error { failed, cause, .. } => HarnessError::handoff(
+                hop.payload_kind,
+                rid,
+                failed.first().map(String::as_str),
+                format!(
+                    "producer reported ERROR{}: {cause}",
+                    if failed.len() > 1 {
+                        format!(" ({} failed: {})", failed.len(), failed.join(", "))
+                    } else {
+                        String::new()
+                    }
+                ),
+            ),
+            other => HarnessError::handoff(
+                hop.payload_kind,
+                rid,
+                None,
+                format!("unexpected {} message", other.name()),
+            ),
+        }
+    }
+
+    // ---------------------------------------------------------------- producer
+
+    /// Upstream of this stage failed: answer the downstream reservation with an
+    /// ERROR so it releases what it reserved.
+    async fn abort_outbound(&self, rid: &str, plan: &RequestPlan, cause: &HarnessError) {
+        let (Some(side), Some(_)) = (&self.outbound, self.stub.outbound(plan)) else {
+            return;
+        };
+        let link = &side.end.link;
+        match link.recv(rid, self.timeout()).await {
+            Ok(Msg::Refuse { .. }) | Err(_) => {}
+            Ok(_) => {
+                let _ = link.send(Msg::Error {
+                    request: rid.into(),
+                    failed: vec![],
+                    cause: format!("{} did not run: {cause}", self.cfg.stage),
+                });
+            }
+        }
+    }
+
+    async fn send(
+        &self,
+        side: &Side<OutMem>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+    ) -> Result<Sent> {
+        let link = &side.end.link;
+        let engine = &side.end.engine;
+        let hop_err = |tensor: Option<&str>, cause: &dyn std::fmt::Display| {
+            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
+        };
+        // Prefill's KV is its compute's output: it exists before decode asks for it.
+        let kv_blocks = match &side.mem {
+            OutMem::Kv(kv) => {
+                let layout = hop
+                    .kv
+                    .as_ref()
+                    .ok_or_else(|| hop_err(None, &"no KV layout"))?;
+                let blocks = kv
+                    .alloc(layout.num_blocks as usize, self.timeout())
+                    .await
+                    .map_err(|e| hop_err(None, &e));
+                let blocks = match blocks {
+                    Ok(b) => b,
+                    Err(e) => {
+                        self.abort_outbound(rid, plan, &e).await;
+                        return Err(e);
+                    }
+                };
+                let held = KvHeld {
+                    kv: kv.clone(),
+                    engine: engine.clone(),
+                    blocks,
+                    grants: vec![],
+                };
+                let bb = kv.geo.block_bytes;
+                for layer in 0..layout.num_layers {
+                    for v in [false, true] {
+                        let name = if v {
+                            KvLayout::v_name(layer)
+                        } else {
+                            KvLayout::k_name(layer)
+                        };
+                        let spec = hop
+                            .tensor(&name)
+                            .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
+                        for (i, &b) in held.blocks.iter().enumerate() {
+                            kv.buffer
+                                .fill(kv.geo.offset(layer, v, b), bb, |out| {
+                                    self.stub.produce(plan, spec, i as u64 * bb, out)
+                                })
+                                .map_err(|e| hop_err(Some(&name), &e))?
+                                .map_err(|e| hop_err(Some(&name), &e))?;
+                        }
+                    }
+                }
+                Some(held)
+            }
+            OutMem::Staging(_) => None,
+        };
+        let msg = link.recv(rid, self.timeout()).await?;
+        if let Msg::Refuse { cause, .. } = &msg {
+            return Err(hop_err(None, &format!("consumer refused: {cause}")));
+        }
+        // From here on the consumer waits for FINISH/packet or ERROR: always answer.
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        let result = self
+            .write(side, plan, hop, rid, msg, kv_blocks.as_ref(), &mut sent)
+            .await;
+        match result {
+            Ok(reply) => {
+                link.send(reply)?;
+                Ok(sent)
+            }
+            Err((failed, e)) => {
+                let _ = link.send(Msg::Error {
+                    request: rid.into(),
+                    failed,
+                    cause: e.to_string(),
+                });
+                Err(e)
+            }
+        }
+    }
+
+    /// Produces and writes what the reservation asks for; returns the reply to
+    /// send, or the failed tensors and the error.
+    #[allow(clippy::too_many_arguments)]
+    async fn write(
+        &self,
+        side: &Side<OutMem>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        msg: Msg,
+        kv_held: Option<&KvHeld>,
+        sent: &mut Sent,
+    ) -> std::result::Result<Msg, (Vec<String>, HarnessError)> {
+        let engine = &side.end.engine;
+        let hop_err = |tensor: Option<&str>, cause: &dyn std::fmt::Display| {
+            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
+        };
+        let fail = |tensor: &str, cause: &dyn std::fmt::Display| {
+            (vec![tensor.to_string()], hop_err(Some(tensor), cause))
+        };
+        let mut requests = Vec::new();
+        let mut names: Vec<String> = Vec::new();
+        let mut leases = Vec::new();
+        // (tensor, digest, grant) of each staged tensor.
+        let mut staged: Vec<(String, Digest128, Grant)> = Vec::new();
+        let reply = match (&side.mem, msg) {
+            (OutMem::Staging(pool), Msg::EcReserve { slots, .. }) => {
+                for s in slots {
+                    let Some(g) = s.grant else { continue };
+                    let (lease, len, d) = self
+                        .stage_tensor(pool, plan, hop, rid, &s.tensor, &g)
+                        .await?;
+                    requests.push(Request::write(&pool.buffer, lease.offset, &g, 0, len));
+                    names.push(s.tensor.clone());
+                    staged.push((s.tensor, d, g));
+                    sent.bytes += len;
+                    leases.push(lease);
+                }
+                None
+            }
+            (OutMem::Staging(pool), Msg::StageReserve { grants, .. }) => {
+                for t in &hop.tensors {
+                    let g = grants
+                        .iter()
+                        .find(|g| g.tensor == t.name)
+                        .ok_or_else(|| fail(&t.name, &"no grant for it in the reservation"))?;
+                    let (lease, len, d) = self
+                        .stage_tensor(pool, plan, hop, rid, &t.name, &g.grant)
+                        .await?;
+                    requests.push(Request::write(&pool.buffer, lease.offset, &g.grant, 0, len));
+                    names.push(t.name.clone());
+                    staged.push((t.name.clone(), d, g.grant.clone()));
+                    sent.bytes += len;
+                    leases.push(lease);
+                }
+                Some(())
+            }
+            (OutMem::Kv(kv), Msg::KvReserve { reservation, .. }) => {
+                let held = kv_held.expect("prefill holds its blocks");
+                let bb = kv.geo.block_bytes;
+                let writes = plan_kv_writes(&held.blocks, &reservation, kv.geo.num_layers, bb)
+                    .map_err(|e| (vec![], hop_err(None, &format!("bad reservation: {e}"))))?;
+                for w in writes {
+                    let len = u64::from(w.run.len) * bb;
+                    requests.push(Request::write(
+                        &kv.buffer,
+                        kv.geo.offset(w.layer, w.v, w.run.src),
+                        &reservation.grants[w.grant].grant,
+                        w.grant_offset,
+                        len,
+                    ));
+                    names.push(format!(
+                        "{} blocks {}..{}",
+                        if w.v {
+                            KvLayout::v_name(w.layer)
+                        } else {
+                            KvLayout::k_name(w.layer)
+                        },
+                        w.run.logical,
+                        w.run.logical + w.run.len
+                    ));
+                    sent.bytes += len;
+                }
+                sent.tensors = hop.tensors.len();
+                None
+            }
+            (_, other) => {
+                return Err((
+                    vec![],
+                    hop_err(None, &format!("unexpected {} message", other.name())),
+                ));
+            }
+        };
+        sent.requests = requests.len();
+        if sent.tensors == 0 {
+            sent.tensors = staged.len();
+        }
+        let t = Instant::now();
+        if !requests.is_empty() {
+            engine
+                .transfer(requests, Some(self.timeout()))
+                .await
+                .map_err(|e| {
+                    let failed = e.task().and_then(|i| names.get(i).cloned());
+                    (
+                        failed.clone().into_iter().collect(),
+                        hop_err(failed.as_deref(), &e),
+                    )
+                })?;
+        }
+        sent.transfer_ms = ms(t.elapsed());
+        drop(leases);
+        Ok(match reply {
+            // Stage connector: the sidecar goes out only now, after every tensor landed.
+            Some(()) => {
+                let entries = staged
+                    .into_iter()
+                    .map(|(name, digest, g)| {
+                        let spec = hop.tensor(&name).expect("staged from the hop");
+                        TensorEntry {
+                            name,
+                            dtype: spec.dtype,
+                            shape: spec.shape.clone(),
+                            byte_length: spec.byte_length,
+                            digest,
+                            transfer_key: Some(TransferKey::Text(format!(
+                                "{}/{}@{}",
+                                g.segment, g.buffer, g.offset
+                            ))),
+                        }
+                    })
+                    .collect();
+                let packet = Packet::new(rid, hop.payload_kind, 0, true, entries)
+                    .to_msgpack()
+                    .map_err(|e| (vec![], hop_err(None, &e)))?;
+                Msg::Packet {
+                    request: rid.into(),
+                    packet,
+                }
+            }
+            None => Msg::Finish {
+                request: rid.into(),
+                digests: staged
+                    .into_iter()
+                    .map(|(tensor, d, _)| NamedDigest {
+                        tensor,
+                        digest: d.to_hex(),
+                    })
+                    .collect(),
+            },
+        })
+    }
+
+    /// Reserves staging space for output `name`, produces it there, and digests it.
+    #[allow(clippy::too_many_arguments)]
+    async fn stage_tensor(
+        &self,
+        pool: &Arc<Pool>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        name: &str,
+        grant: &Grant,
+    ) -> std::result::Result<(Lease, u64, Digest128), (Vec<String>, HarnessError)> {
+        let fail = |cause: &dyn std::fmt::Display| {
+            (
+                vec![name.to_string()],
+                HarnessError::handoff(hop.payload_kind, rid, Some(name), cause),
+            )
+        };
+        let spec = hop
+            .tensor(name)
+            .ok_or_else(|| fail(&"not a tensor of this hop"))?;
+        if grant.len < spec.byte_length {
+            return Err(fail(&format!(
+                "grant of {} bytes for {} bytes",
+                grant.len, spec.byte_length
+            )));
+        }
+        let len = spec.byte_length;
+        let lease = pool
+            .reserve(len, self.timeout())
+            .await
+            .map_err(|e| fail(&e))?;
+        let digest = pool
+            .buffer
+            .fill(lease.offset, len, |b| {
+                self.stub.produce(plan, spec, 0, b)?;
+                Ok::<_, omnirig_model_stubs::StubError>(Digest128::of_bytes(b))
+            })
+            .map_err(|e| fail(&e))?
+            .map_err(|e| fail(&e))?;
+        Ok((lease, len, digest))
+    }
+
+    // ---------------------------------------------------------------- teardown
+
+    /// Forgets caches (EC entries, KV prefix blocks), waits for the engines to
+    /// go idle, and reports what is still held: all zero after a clean run.
+    pub async fn drain(&self) -> StageUsage {
+        let mut u = StageUsage {
+            stage: self.cfg.stage.as_str().into(),
+            ..Default::default()
+        };
+        let mut engines: Vec<&Arc<Engine>> = Vec::new();
+        if let Some(s) = &self.inbound {
+            engines.push(&s.end.engine);
+            u.open_mailboxes += s.end.link.open_keys();
+            match &s.mem {
+                InMem::Ec(store) => {
+                    let mut c = store.lock();
+                    c.clear();
+                    u.ec_entries_in_use = c.in_use();
+                    let (b, r) = c.held();
+                    u.pools.push(("thinker_prefill.encoder_cache".into(), b, r));
+                }
+                InMem::Kv(kv) => {
+                    let mut p = kv.lock();
+                    p.clear_cache();
+                    u.kv_blocks_in_use += p.in_use();
+                }
+                InMem::Pool(p) => {
+                    let (b, r) = p.usage();
+                    u.pools.push((p.name.clone(), b, r));
+                }
+            }
+        }
+        if let Some(s) = &self.outbound {
+            engines.push(&s.end.engine);
+            u.open_mailboxes += s.end.link.open_keys();
+            match &s.mem {
+                OutMem::Kv(kv) => u.kv_blocks_in_use += kv.lock().in_use(),
+                OutMem::Staging(p) => {
+                    let (b, r) = p.usage();
+                    u.pools.push((p.name.clone(), b, r));
+                }
+            }
+        }
+        for e in engines {
+            let us: Usage = match e.wait_idle(Duration::from_secs(10)).await {
+                Ok(us) => us,
+                Err(_) => e.usage(),
+            };
+            u.engines.push((
+                e.name().to_string(),
+                us.grants,
+                us.batches,
+                us.tasks,
+                us.leases,
+            ));
+        }
+        u
+    }
+}

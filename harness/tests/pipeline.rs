@@ -1,0 +1,145 @@
+//! The five-stage pipeline end to end, in one process. Test names carry the
+//! transport, so `cargo test loopback` runs the loopback cases.
+
+use omnirig_fixtures::{PayloadKind, golden_cases};
+use omnirig_harness::{Report, Runner, Scenario};
+use rstest::rstest;
+
+fn assert_clean_pass(r: &Report) {
+    for q in &r.requests {
+        assert!(q.ok, "{}: {:?}", q.id, q.error);
+        for h in &q.hops {
+            assert!(h.verified, "{} {}: not verified", q.id, h.hop);
+            assert_eq!(
+                h.moved_bytes + h.reused_bytes,
+                h.bytes,
+                "{} {}",
+                q.id,
+                h.hop
+            );
+        }
+    }
+    assert!(r.summary.pools_clean, "{}", r.summary_text());
+    assert!(r.passed(), "{}", r.summary_text());
+}
+
+#[rstest]
+#[case::text_short("text_short")]
+#[case::image_audio("image_audio")]
+#[case::long_audio("long_audio")]
+#[case::video_large_kv("video_large_kv")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn golden_case_five_stages(#[case] case: &str, #[values("loopback", "tcp")] transport: &str) {
+    let r = Runner::new(Scenario::golden(case, transport))
+        .run()
+        .await
+        .unwrap();
+    assert_clean_pass(&r);
+    let q = &r.requests[0];
+    let plan = Scenario::golden(case, transport)
+        .expand()
+        .unwrap()
+        .remove(0)
+        .plan;
+    assert_eq!(q.hops.len(), plan.hops.len());
+    // Fresh pools: decode's blocks are one run, so KV is one request per layer and K/V.
+    let kv = q.hops.iter().find(|h| h.hop == "kv_cache").unwrap();
+    assert_eq!(kv.requests, 2 * 48);
+    assert_eq!(r.transports["kv_cache"], transport);
+}
+
+#[test]
+fn every_golden_case_is_covered() {
+    let names: Vec<_> = golden_cases().into_iter().map(|c| c.name).collect();
+    assert_eq!(
+        names,
+        ["text_short", "image_audio", "long_audio", "video_large_kv"]
+    );
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeat_dedupes_ec_and_moves_only_kv_tail(#[values("loopback", "tcp")] transport: &str) {
+    let yaml = format!(
+        "transport: {transport}\nconcurrency: 1\nrequests:\n  - case: image_audio\n    repeat: 2\n"
+    );
+    let r = Runner::new(Scenario::from_yaml(&yaml, "t").unwrap())
+        .run()
+        .await
+        .unwrap();
+    assert_clean_pass(&r);
+    let hop = |i: usize, k: PayloadKind| {
+        r.requests[i]
+            .hops
+            .iter()
+            .find(|h| h.hop == k.as_str())
+            .unwrap()
+            .clone()
+    };
+    let (ec0, ec1) = (
+        hop(0, PayloadKind::EncoderEmbeddings),
+        hop(1, PayloadKind::EncoderEmbeddings),
+    );
+    assert_eq!(
+        (ec0.reused_bytes, ec1.moved_bytes),
+        (0, 0),
+        "second request moves no embeddings"
+    );
+    assert_eq!(ec1.reused_bytes, ec0.bytes);
+    let (kv0, kv1) = (hop(0, PayloadKind::KvCache), hop(1, PayloadKind::KvCache));
+    assert_eq!(kv0.reused_bytes, 0);
+    assert!(kv1.reused_bytes > 0 && kv1.moved_bytes < kv0.moved_bytes);
+    // Every full block hits; only the last (partial) block moves: 48 layers x K, V x 16 tokens x 4 heads x 128 x bf16.
+    assert_eq!(kv1.moved_bytes, 48 * 2 * 16 * 4 * 128 * 2);
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_mixed_requests_loopback_with_kv_over_tcp() {
+    let yaml = r#"
+name: mixed
+concurrency: 4
+arrival: { pattern: poisson, rate_per_s: 200, seed: 7 }
+transport: loopback
+hops: { kv_cache: tcp }
+compute: { thinker_decode: { per_token_us: 50 }, encoder: { per_item_us: 500 } }
+requests:
+  - case: text_short
+    repeat: 3
+  - case: image_audio
+    repeat: 3
+  - case: long_audio
+  - name: two_images
+    request: { seed: 11, text_tokens: 40, images: [{ width: 320, height: 320 }, { width: 64, height: 96 }], output_text_tokens: 8 }
+"#;
+    let r = Runner::new(Scenario::from_yaml(yaml, "t").unwrap())
+        .run()
+        .await
+        .unwrap();
+    assert_clean_pass(&r);
+    assert_eq!(r.summary.requests, 8);
+    // No audio out: no talker hops for two_images.
+    assert_eq!(r.requests[7].hops.len(), 2);
+    assert!(r.summary.e2e_p99_ms >= r.summary.e2e_p50_ms);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_handoff_names_hop_and_releases_pools_loopback() {
+    // Prefill takes 300 ms; decode gives up on the KV hop after 100 ms.
+    let yaml = r#"
+transport: loopback
+hop_timeout_s: 0.1
+compute: { thinker_prefill: { per_item_us: 300000 } }
+requests: [{ case: text_short }]
+"#;
+    let r = Runner::new(Scenario::from_yaml(yaml, "t").unwrap())
+        .run()
+        .await
+        .unwrap();
+    let q = &r.requests[0];
+    assert!(!q.ok);
+    let err = q.error.as_deref().unwrap();
+    assert!(err.contains("kv_cache") && err.contains(&q.id), "{err}");
+    assert!(!r.passed());
+    assert!(r.summary.pools_clean, "{}", r.summary_text());
+}
