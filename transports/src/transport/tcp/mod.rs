@@ -213,6 +213,10 @@ async fn send_from(
     Ok(())
 }
 
+/// Payloads up to this size are busy-polled like headers; larger ones wait on the reactor, so
+/// the other slices of a transfer (other connections, same thread) keep moving meanwhile.
+const SPIN_PAYLOAD_MAX: u64 = 64 << 10;
+
 /// Receives `len` bytes straight into `region` at `offset`. With a fence, each `read` runs
 /// under a pin of that grant; once it is revoked, no further byte lands.
 async fn recv_into(
@@ -223,6 +227,7 @@ async fn recv_into(
     fence: Option<&Arc<GrantEntry>>,
     spin: Duration,
 ) -> std::result::Result<(), Stop> {
+    let spin = if len <= SPIN_PAYLOAD_MAX { spin } else { Duration::ZERO };
     let mut got = 0u64;
     while got < len {
         let attempt = || -> io::Result<std::result::Result<usize, Error>> {
