@@ -27,6 +27,11 @@ enum Cmd {
     /// Describe and export golden Qwen3-Omni fixtures.
     #[command(subcommand)]
     Fixtures(cli::fixtures::FixturesCmd),
+    /// Run the five-stage pipeline on a scenario and write a report.
+    Run(cli::run::RunArgs),
+    /// One stage as its own process (started by `run --processes`).
+    #[command(hide = true)]
+    Stage(cli::stage::StageArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -49,5 +54,7 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Bench(cmd) => cli::bench::run(cmd),
         Cmd::Fixtures(cmd) => cli::fixtures::run(cmd),
+        Cmd::Run(args) => cli::run::run(args),
+        Cmd::Stage(args) => cli::stage::run(args),
     }
 }

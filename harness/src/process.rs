@@ -152,7 +152,11 @@ impl Remote {
         for (stage, l) in &self.links {
             let _ = l.send(Msg::Shutdown);
             match l.recv("", SETUP_TIMEOUT).await {
-                Ok(Msg::Bye { usage }) => out.push(usage),
+                Ok(Msg::Bye { usage }) => {
+                    out.push(usage);
+                    // Tells the stage its Bye arrived: it may exit now.
+                    let _ = l.send(Msg::Shutdown);
+                }
                 _ => out.push(StageUsage {
                     stage: stage.as_str().into(),
                     // Unknown usage counts as a leak.
@@ -245,7 +249,7 @@ pub async fn run_stage_process(stage: Stage, orchestrator: SocketAddr) -> Result
                 .map_err(|_| setup(format!("{stage}: upstream stage did not connect")))??;
             let link = Link::tcp(&format!("upstream->{stage}"), stream);
             match link.recv("", SETUP_TIMEOUT).await? {
-                Msg::Peer { .. } => {}
+                Msg::Peer { .. } => link.forget(""),
                 other => return Err(setup(format!("expected peer, got {}", other.name()))),
             }
             Some(HopEnd {
@@ -277,7 +281,7 @@ pub async fn run_stage_process(stage: Stage, orchestrator: SocketAddr) -> Result
                 while tasks.join_next().await.is_some() {}
                 let usage = worker.drain().await;
                 orch.send(Msg::Bye { usage })?;
-                // Wait for the orchestrator to hang up, so the Bye is flushed.
+                // Wait for the orchestrator's second Shutdown (or hang-up), so the Bye is flushed.
                 let _ = orch.recv("", SETUP_TIMEOUT).await;
                 return Ok(());
             }

@@ -1,2 +1,4 @@
 pub mod bench;
 pub mod fixtures;
+pub mod run;
+pub mod stage;

@@ -1,0 +1,80 @@
+//! `omnirig run --processes`: each stage its own OS process, over tcp on 127.0.0.1.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn out_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("omnirig-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn five_stage_processes_over_tcp_on_loopback_interface() {
+    let dir = out_dir("processes");
+    std::fs::create_dir_all(&dir).unwrap();
+    let scenario = dir.join("scenario.yaml");
+    // Every golden case but the 300 MiB one (debug builds), plus a repeat for EC dedupe / KV prefix.
+    std::fs::write(
+        &scenario,
+        "name: processes\nconcurrency: 2\nrequests:\n  - case: text_short\n  - case: image_audio\n    repeat: 2\n  - case: long_audio\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args(["run", "--processes", "--quiet", "--report"])
+        .arg(&dir)
+        .arg(&scenario)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["mode"], "processes");
+    assert_eq!(report["summary"]["ok"], 4);
+    assert_eq!(report["summary"]["failed"], 0);
+    assert_eq!(report["summary"]["pools_clean"], true);
+    for hop in report["hops"].as_array().unwrap() {
+        assert_eq!(hop["transport"], "tcp");
+    }
+    for r in report["requests"].as_array().unwrap() {
+        for h in r["hops"].as_array().unwrap() {
+            assert_eq!(h["verified"], true, "{r}");
+            let (b, m, u) = (
+                h["bytes"].as_u64(),
+                h["moved_bytes"].as_u64(),
+                h["reused_bytes"].as_u64(),
+            );
+            assert_eq!(b.unwrap(), m.unwrap() + u.unwrap(), "{r}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn run_fails_with_a_named_error_loopback() {
+    let dir = out_dir("failing");
+    std::fs::create_dir_all(&dir).unwrap();
+    let scenario = dir.join("scenario.yaml");
+    std::fs::write(
+        &scenario,
+        "hop_timeout_s: 0.1\ncompute: { thinker_prefill: { per_item_us: 300000 } }\nrequests: [{ case: text_short }]\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args(["run", "--quiet"])
+        .arg(&scenario)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("FAILED 000-text_short") && stdout.contains("kv_cache"),
+        "{stdout}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
