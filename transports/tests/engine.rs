@@ -243,14 +243,7 @@ async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
 async fn deadline_times_out_frees_everything_and_fences_the_late_write(
     #[values("loopback", "tcp")] transport: &'static str,
 ) {
-    let store = InProcessStore::new();
-    let gate = Gate::new(0);
-    let a = Engine::new(config(&unique("a"), transport, &store).decorator(gate.decorator()))
-        .await
-        .unwrap();
-    let b = Engine::new(config(&unique("b"), transport, &store))
-        .await
-        .unwrap();
+    let (a, b, gate) = gated_pair(transport, 0).await;
     let a_base = a.usage();
     let src = a.allocate(256 << 10).unwrap();
     src.write(0, &pattern(3, 256 << 10)).unwrap();
@@ -304,14 +297,7 @@ async fn deadline_times_out_frees_everything_and_fences_the_late_write(
 async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
     #[values("loopback", "tcp")] transport: &'static str,
 ) {
-    let store = InProcessStore::new();
-    let gate = Gate::new(1);
-    let a = Engine::new(config(&unique("a"), transport, &store).decorator(gate.decorator()))
-        .await
-        .unwrap();
-    let b = Engine::new(config(&unique("b"), transport, &store))
-        .await
-        .unwrap();
+    let (a, b, gate) = gated_pair(transport, 1).await;
     let src = a.allocate(4 << 20).unwrap();
     let dst = b.allocate(4 << 20).unwrap();
     let g = b.grant(&dst, 0, 4 << 20, Access::Write).unwrap();
@@ -447,14 +433,7 @@ async fn bad_requests_get_errors_that_name_them(
 async fn freeing_a_running_batch_cancels_and_releases(
     #[values("loopback", "tcp")] transport: &'static str,
 ) {
-    let store = InProcessStore::new();
-    let gate = Gate::new(0);
-    let a = Engine::new(config(&unique("a"), transport, &store).decorator(gate.decorator()))
-        .await
-        .unwrap();
-    let b = Engine::new(config(&unique("b"), transport, &store))
-        .await
-        .unwrap();
+    let (a, b, gate) = gated_pair(transport, 0).await;
     let src = a.allocate(4096).unwrap();
     let dst = b.allocate(4096).unwrap();
     let g = b.grant(&dst, 0, 4096, Access::Write).unwrap();

@@ -52,6 +52,19 @@ pub async fn engines(transport: &'static str, n: usize) -> Vec<Engine> {
     out
 }
 
+/// Engines `a` (sender, its slices pass through a gate letting `free` through) and `b`.
+pub async fn gated_pair(transport: &'static str, free: usize) -> (Engine, Engine, Arc<Gate>) {
+    let store = InProcessStore::new();
+    let gate = Gate::new(free);
+    let a = Engine::new(config(&unique("a"), transport, &store).decorator(gate.decorator()))
+        .await
+        .unwrap();
+    let b = Engine::new(config(&unique("b"), transport, &store))
+        .await
+        .unwrap();
+    (a, b, gate)
+}
+
 /// Deterministic bytes that differ for every (seed, position).
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(len + 8);
