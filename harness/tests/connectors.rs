@@ -1,0 +1,230 @@
+//! The stage connector against a hand-driven peer on each side: the talker
+//! stage between a scripted decode (upstream) and a scripted code2wav (downstream).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use omnirig_fixtures::{
+    Digest128, Packet, PayloadKind, RequestPlan, Stage, TensorEntry, TensorGenerator, golden_case,
+};
+use omnirig_harness::control::{Link, Msg, NamedGrant};
+use omnirig_harness::stage::HopEnd;
+use omnirig_harness::{Scenario, StageWorker};
+use omnirig_transports::transport::BoxFuture;
+use omnirig_transports::{
+    Access, Engine, EngineConfig, InProcessStore, Request, Result as TeResult, SegmentDescriptor,
+    SliceOp, Slicing, Transport, TransportPolicy,
+};
+
+const T: Duration = Duration::from_secs(20);
+const DELAY: Duration = Duration::from_millis(150);
+
+/// Delays every slice: a packet published before its tensors landed would be caught.
+struct Slow(Arc<dyn Transport>);
+struct SlowLink(Arc<dyn omnirig_transports::Link>);
+
+impl Transport for Slow {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn reaches(&self, peer: &SegmentDescriptor) -> bool {
+        self.0.reaches(peer)
+    }
+    fn connect(
+        &self,
+        peer: SegmentDescriptor,
+    ) -> BoxFuture<'static, TeResult<Arc<dyn omnirig_transports::Link>>> {
+        let c = self.0.connect(peer);
+        Box::pin(
+            async move { Ok(Arc::new(SlowLink(c.await?)) as Arc<dyn omnirig_transports::Link>) },
+        )
+    }
+}
+
+impl omnirig_transports::Link for SlowLink {
+    fn info(&self) -> omnirig_transports::LinkInfo {
+        self.0.info()
+    }
+    fn slicing(&self) -> Slicing {
+        self.0.slicing()
+    }
+    fn execute(&self, op: SliceOp) -> BoxFuture<'static, TeResult<()>> {
+        let inner = self.0.clone();
+        Box::pin(async move {
+            tokio::time::sleep(DELAY).await;
+            inner.execute(op).await
+        })
+    }
+}
+
+struct Rig {
+    worker: Arc<StageWorker>,
+    up: Engine,
+    up_link: Link,
+    down: Engine,
+    down_link: Link,
+    plan: RequestPlan,
+    spec: omnirig_fixtures::RequestSpec,
+}
+
+async fn rig(slow_out: bool) -> Rig {
+    let store = InProcessStore::new();
+    let cfg = |name: &str| {
+        EngineConfig::new(format!("{name}-{slow_out}"))
+            .store(store.clone())
+            .policy(TransportPolicy::Only("loopback"))
+            .tcp_listen(None)
+    };
+    let mut out_cfg = cfg("talker-out");
+    if slow_out {
+        out_cfg = out_cfg.decorator(Arc::new(|t| Arc::new(Slow(t)) as Arc<dyn Transport>));
+    }
+    let (up_link, talker_in) = Link::pair("thinker_to_talker");
+    let (talker_out, down_link) = Link::pair("talker_to_code2wav");
+    let scenario = Scenario::golden("image_audio", "loopback");
+    let req = scenario.expand().unwrap().remove(0);
+    let sizes = scenario.pool_sizes(&[&req.plan]);
+    let worker = StageWorker::new(
+        scenario.stage_config(Stage::Talker, sizes),
+        Some(HopEnd {
+            engine: Arc::new(Engine::new(cfg("talker-in")).await.unwrap()),
+            link: talker_in,
+        }),
+        Some(HopEnd {
+            engine: Arc::new(Engine::new(out_cfg).await.unwrap()),
+            link: talker_out,
+        }),
+    )
+    .unwrap();
+    Rig {
+        worker: Arc::new(worker),
+        up: Engine::new(cfg("decode-out")).await.unwrap(),
+        up_link,
+        down: Engine::new(cfg("code2wav-in")).await.unwrap(),
+        down_link,
+        plan: req.plan,
+        spec: golden_case("image_audio").unwrap().request,
+    }
+}
+
+/// Plays thinker_decode: writes the thinker->talker tensors (one byte of
+/// `corrupt` flipped after digesting), then publishes the packet.
+async fn play_decode(r: &Rig, rid: &str, corrupt: Option<&str>) {
+    let hop = r.plan.hop(PayloadKind::ThinkerToTalker).unwrap();
+    let Msg::StageReserve { grants, .. } = r.up_link.recv(rid, T).await.unwrap() else {
+        panic!("expected a reservation")
+    };
+    let src = r.up.allocate(hop.total_bytes()).unwrap();
+    let (mut off, mut reqs, mut entries) = (0, vec![], vec![]);
+    for t in &hop.tensors {
+        let mut bytes = TensorGenerator::new(r.plan.seed, t).generate();
+        entries.push(TensorEntry::for_bytes(
+            &t.name,
+            t.dtype,
+            t.shape.clone(),
+            &bytes,
+        ));
+        if corrupt == Some(t.name.as_str()) {
+            bytes[7] ^= 0x40;
+        }
+        src.write(off, &bytes).unwrap();
+        let g = &grants.iter().find(|g| g.tensor == t.name).unwrap().grant;
+        reqs.push(Request::write(&src, off, g, 0, t.byte_length));
+        off += t.byte_length;
+    }
+    r.up.transfer(reqs, Some(T)).await.unwrap();
+    let packet = Packet::new(rid, PayloadKind::ThinkerToTalker, 0, true, entries)
+        .to_msgpack()
+        .unwrap();
+    r.up_link
+        .send(Msg::Packet {
+            request: rid.into(),
+            packet,
+        })
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stage_packet_published_only_after_tensors_landed_loopback() {
+    let r = rig(true).await;
+    let rid = "req-1";
+    let (w, spec) = (r.worker.clone(), r.spec.clone());
+    let task = tokio::spawn(async move { w.process("req-1", &spec).await });
+    // Plays code2wav: reserve and grant, then wait for the sidecar.
+    let codes = &r.plan.hop(PayloadKind::TalkerToCode2wav).unwrap().tensors[0];
+    let dst = r.down.allocate(codes.byte_length).unwrap();
+    let g = r
+        .down
+        .grant(&dst, 0, codes.byte_length, Access::Write)
+        .unwrap();
+    r.down_link
+        .send(Msg::StageReserve {
+            request: rid.into(),
+            grants: vec![NamedGrant {
+                tensor: codes.name.clone(),
+                grant: g.clone(),
+            }],
+        })
+        .unwrap();
+    let t0 = Instant::now();
+    play_decode(&r, rid, None).await;
+    let Msg::Packet { packet, .. } = r.down_link.recv(rid, T).await.unwrap() else {
+        panic!("expected the packet")
+    };
+    // Revoke at once: had the packet gone out before the (slow) write finished,
+    // the fence would keep those bytes out and the digest below would differ.
+    assert!(r.down.revoke(&g));
+    assert!(t0.elapsed() >= DELAY);
+    let p = Packet::from_msgpack(&packet).unwrap();
+    let mut got = vec![0u8; codes.byte_length as usize];
+    dst.read(0, &mut got).unwrap();
+    let e = p.entry("codes.audio").unwrap();
+    assert_eq!(Digest128::of_bytes(&got), e.digest);
+    assert_eq!(
+        e.digest,
+        Digest128::of_bytes(&TensorGenerator::new(r.plan.seed, codes).generate())
+    );
+    let outcome = task.await.unwrap();
+    assert!(outcome.error.is_none(), "{:?}", outcome.error);
+    assert_eq!(outcome.received.as_ref().unwrap().tensors, 5);
+    let u = r.worker.drain().await;
+    assert!(u.is_clean(), "{u:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_tensor_fails_naming_hop_and_tensor_and_releases_loopback() {
+    let r = rig(false).await;
+    let rid = "req-2";
+    let (w, spec) = (r.worker.clone(), r.spec.clone());
+    let task = tokio::spawn(async move { w.process("req-2", &spec).await });
+    let codes = &r.plan.hop(PayloadKind::TalkerToCode2wav).unwrap().tensors[0];
+    let dst = r.down.allocate(codes.byte_length).unwrap();
+    let g = r
+        .down
+        .grant(&dst, 0, codes.byte_length, Access::Write)
+        .unwrap();
+    r.down_link
+        .send(Msg::StageReserve {
+            request: rid.into(),
+            grants: vec![NamedGrant {
+                tensor: codes.name.clone(),
+                grant: g.clone(),
+            }],
+        })
+        .unwrap();
+    play_decode(&r, rid, Some("embed.tts_eos")).await;
+    let outcome = task.await.unwrap();
+    let err = outcome.error.unwrap();
+    assert!(
+        err.contains("thinker_to_talker") && err.contains("embed.tts_eos") && err.contains(rid),
+        "{err}"
+    );
+    // The talker never started: downstream is told, with the cause.
+    match r.down_link.recv(rid, T).await.unwrap() {
+        Msg::Error { cause, .. } => assert!(cause.contains("embed.tts_eos"), "{cause}"),
+        other => panic!("expected ERROR, got {other:?}"),
+    }
+    r.down.revoke(&g);
+    let u = r.worker.drain().await;
+    assert!(u.is_clean(), "{u:?}");
+}
