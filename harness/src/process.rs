@@ -109,7 +109,9 @@ impl Remote {
         Ok(Remote {
             links,
             children: tokio::sync::Mutex::new(children),
-            timeout: scenario.hop_timeout() * 4,
+            // Each stage bounds its own waits by the hop timeout and always answers; this
+            // only catches a stage process that hangs (one that dies closes its link at once).
+            timeout: IDLE_TIMEOUT,
         })
     }
 

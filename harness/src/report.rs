@@ -12,7 +12,8 @@
 //!   `reused_bytes`, `transfer_ms_p50`, `transfer_ms_p99`, `gbps` (moved bytes /
 //!   summed transfer time, 1 GB/s = 1e9 B/s), `handoff_ms_p50`, `handoff_ms_p99`.
 //! - `requests[]`: `id`, `label`, `ok`, `error` (the first failing stage's
-//!   error in pipeline order, naming hop, request, tensor and cause), `e2e_ms`,
+//!   error in pipeline order, naming hop, request, tensor and cause), `errors`
+//!   (every failing stage's error, `stage: error`), `e2e_ms`,
 //!   `hops[]` (`hop`, `bytes` planned, `moved_bytes`, `reused_bytes`,
 //!   `tensors` verified, `requests` engine requests, `transfer_ms`, `gbps`,
 //!   `handoff_ms`, `verified`), `stages[]` (each stage's [`StageOutcome`]).
@@ -76,6 +77,8 @@ pub struct RequestResult {
     pub label: String,
     pub ok: bool,
     pub error: Option<String>,
+    /// Every failing stage's error, `stage: error`, pipeline order (consequences included).
+    pub errors: Vec<String>,
     pub e2e_ms: f64,
     pub hops: Vec<HopResult>,
     pub stages: Vec<StageOutcome>,

@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
-use omnirig_transports::{Engine, EngineConfig, InProcessStore, TransportPolicy};
+use omnirig_transports::{
+    Engine, EngineConfig, InProcessStore, TransportDecorator, TransportPolicy,
+};
 
 use crate::control::Link;
 use crate::error::Result;
@@ -18,12 +20,25 @@ use crate::scenario::{PlannedRequest, Scenario};
 use crate::stage::{HopEnd, StageOutcome, StageUsage, StageWorker, inbound_kind, outbound_kind};
 
 /// Runs a scenario.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Runner {
     scenario: Scenario,
     processes: Option<PathBuf>,
     progress: bool,
+    decorators: Decorators,
 }
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("scenario", &self.scenario.name)
+            .field("processes", &self.processes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Transport decorators for the producer (sending) engine of a hop, by payload kind.
+pub type Decorators = BTreeMap<&'static str, TransportDecorator>;
 
 /// A way to run one request on all five stages.
 pub(crate) enum Stages {
@@ -53,7 +68,12 @@ static RUNS: AtomicUsize = AtomicUsize::new(0);
 
 /// Builds the five stages in this process: one engine per hop end, engines
 /// finding each other through a store of this run's own.
-pub async fn local_stages(scenario: &Scenario, plans: &[&RequestPlan]) -> Result<Vec<StageWorker>> {
+/// `decorators` wrap the transports of each hop's producer engine (fault injection).
+pub async fn local_stages(
+    scenario: &Scenario,
+    plans: &[&RequestPlan],
+    decorators: &Decorators,
+) -> Result<Vec<StageWorker>> {
     let sizes = scenario.pool_sizes(plans);
     let store = InProcessStore::new();
     let tag = format!(
@@ -73,7 +93,11 @@ pub async fn local_stages(scenario: &Scenario, plans: &[&RequestPlan]) -> Result
             }
             c
         };
-        let tx = Arc::new(Engine::new(mk("tx")).await?);
+        let mut tx_cfg = mk("tx");
+        if let Some(d) = decorators.get(kind.as_str()) {
+            tx_cfg = tx_cfg.decorator(d.clone());
+        }
+        let tx = Arc::new(Engine::new(tx_cfg).await?);
         let rx = Arc::new(Engine::new(mk("rx")).await?);
         let (a, b) = Link::pair(kind.as_str());
         ends.insert(
@@ -106,7 +130,15 @@ impl Runner {
             scenario,
             processes: None,
             progress: false,
+            decorators: Decorators::new(),
         }
+    }
+
+    /// Wraps the transports of `hop`'s sending engine (in-process runs only),
+    /// e.g. to inject faults.
+    pub fn decorate(mut self, hop: PayloadKind, d: TransportDecorator) -> Self {
+        self.decorators.insert(hop.as_str(), d);
+        self
     }
 
     /// Runs each stage as its own OS process (`exe stage ...`) over TCP on 127.0.0.1.
@@ -130,7 +162,9 @@ impl Runner {
         let plans: Vec<&RequestPlan> = requests.iter().map(|r| &r.plan).collect();
         let (stages, mode) = match &self.processes {
             None => (
-                Stages::Local(Arc::new(local_stages(&self.scenario, &plans).await?)),
+                Stages::Local(Arc::new(
+                    local_stages(&self.scenario, &plans, &self.decorators).await?,
+                )),
                 "in_process",
             ),
             Some(exe) => (
@@ -242,11 +276,16 @@ pub fn request_result(r: &PlannedRequest, stages: Vec<StageOutcome>, e2e_ms: f64
             }
         })
         .collect();
+    let errors = stages
+        .iter()
+        .filter_map(|s| s.error.as_ref().map(|e| format!("{}: {e}", s.stage)))
+        .collect();
     RequestResult {
         id: r.id.clone(),
         label: r.label.clone(),
-        ok: error.is_none() && stages.iter().all(|s| s.error.is_none()),
+        ok: error.is_none(),
         error,
+        errors,
         e2e_ms,
         hops,
         stages,

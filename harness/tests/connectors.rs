@@ -228,3 +228,72 @@ async fn corrupted_tensor_fails_naming_hop_and_tensor_and_releases_loopback() {
     let u = r.worker.drain().await;
     assert!(u.is_clean(), "{u:?}");
 }
+
+/// Fails every slice of one layer's V tensor, as a broken link would.
+struct FailV(Arc<dyn Transport>);
+struct FailVLink(Arc<dyn omnirig_transports::Link>);
+
+impl Transport for FailV {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn reaches(&self, peer: &SegmentDescriptor) -> bool {
+        self.0.reaches(peer)
+    }
+    fn connect(
+        &self,
+        peer: SegmentDescriptor,
+    ) -> BoxFuture<'static, TeResult<Arc<dyn omnirig_transports::Link>>> {
+        let c = self.0.connect(peer);
+        Box::pin(
+            async move { Ok(Arc::new(FailVLink(c.await?)) as Arc<dyn omnirig_transports::Link>) },
+        )
+    }
+}
+
+impl omnirig_transports::Link for FailVLink {
+    fn info(&self) -> omnirig_transports::LinkInfo {
+        self.0.info()
+    }
+    fn slicing(&self) -> Slicing {
+        self.0.slicing()
+    }
+    fn execute(&self, op: SliceOp) -> BoxFuture<'static, TeResult<()>> {
+        // Prefill's KV layout is [layer][K, V][3 blocks of 16 KiB]: fail layer 0's V.
+        let half = op.local_offset / (3 * 16 * 4 * 128 * 2);
+        if half == 1 {
+            return Box::pin(async {
+                Err(omnirig_transports::Error::new(
+                    omnirig_transports::ErrorKind::Io,
+                    "injected link failure",
+                ))
+            });
+        }
+        self.0.execute(op)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_error_names_the_failed_blocks_and_releases_loopback() {
+    // text_short: 48 tokens = 3 blocks, so prefill's KV cache holds 3 blocks per tensor.
+    let s = Scenario::golden("text_short", "loopback");
+    let r = omnirig_harness::Runner::new(s)
+        .decorate(
+            PayloadKind::KvCache,
+            Arc::new(|t| Arc::new(FailV(t)) as Arc<dyn Transport>),
+        )
+        .run()
+        .await
+        .unwrap();
+    let q = &r.requests[0];
+    let err = q.error.as_deref().unwrap();
+    assert!(
+        err.contains("kv_cache")
+            && err.contains("kv.layer.0.v blocks 0..3")
+            && err.contains("injected"),
+        "{err}"
+    );
+    // Nothing downstream ran; every pool is back to zero.
+    assert!(r.summary.pools_clean, "{}", r.summary_text());
+    assert_eq!(r.summary.failed, 1);
+}
