@@ -517,27 +517,25 @@ impl StageWorker {
                 let tv = Instant::now();
                 match reply? {
                     Msg::Finish { digests, .. } => {
-                        for (hash, offset, tensor) in std::mem::take(&mut held.reserved) {
+                        // Entries leave `reserved` only once verified: on any error, the
+                        // drop of `held` fails the rest, so nobody caches a bad entry.
+                        for (hash, offset, tensor) in held.reserved.clone() {
                             let spec = hop.tensor(&tensor).expect("reserved from the hop");
                             let found = store
                                 .buffer
                                 .view(offset, spec.byte_length, |b| {
                                     self.stub.check_input(plan, &tensor, b)
                                 })
+                                .map_err(|e| hop_err(Some(&tensor), &e))?
                                 .map_err(|e| hop_err(Some(&tensor), &e))?;
-                            let found = found.map_err(|e| {
-                                // Mark it failed (not cached) before erroring.
-                                held.reserved.push((hash.clone(), offset, tensor.clone()));
-                                hop_err(Some(&tensor), &e)
-                            })?;
                             let declared = digests.iter().find(|d| d.tensor == tensor);
                             if declared.map(|d| d.digest.as_str()) != Some(&found.to_hex()) {
-                                held.reserved.push((hash.clone(), offset, tensor.clone()));
                                 return Err(hop_err(
                                     Some(&tensor),
                                     &"producer's FINISH digest missing or different",
                                 ));
                             }
+                            held.reserved.retain(|r| r.0 != hash);
                             store.lock().ready(&hash);
                             store.changed.notify_waiters();
                             held.ready.push(hash);
@@ -898,25 +896,32 @@ impl StageWorker {
                     grants: vec![],
                 };
                 let bb = kv.geo.block_bytes;
-                for layer in 0..layout.num_layers {
-                    for v in [false, true] {
-                        let name = if v {
-                            KvLayout::v_name(layer)
-                        } else {
-                            KvLayout::k_name(layer)
-                        };
-                        let spec = hop
-                            .tensor(&name)
-                            .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
-                        for (i, &b) in held.blocks.iter().enumerate() {
-                            kv.buffer
-                                .fill(kv.geo.offset(layer, v, b), bb, |out| {
-                                    self.stub.produce(plan, spec, i as u64 * bb, out)
-                                })
-                                .map_err(|e| hop_err(Some(&name), &e))?
-                                .map_err(|e| hop_err(Some(&name), &e))?;
+                let fill = || -> Result<()> {
+                    for layer in 0..layout.num_layers {
+                        for v in [false, true] {
+                            let name = if v {
+                                KvLayout::v_name(layer)
+                            } else {
+                                KvLayout::k_name(layer)
+                            };
+                            let spec = hop
+                                .tensor(&name)
+                                .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
+                            for (i, &b) in held.blocks.iter().enumerate() {
+                                kv.buffer
+                                    .fill(kv.geo.offset(layer, v, b), bb, |out| {
+                                        self.stub.produce(plan, spec, i as u64 * bb, out)
+                                    })
+                                    .map_err(|e| hop_err(Some(&name), &e))?
+                                    .map_err(|e| hop_err(Some(&name), &e))?;
+                            }
                         }
                     }
+                    Ok(())
+                };
+                if let Err(e) = fill() {
+                    self.abort_outbound(rid, plan, &e).await;
+                    return Err(e);
                 }
                 Some(held)
             }
