@@ -137,6 +137,17 @@ impl StageUsage {
     }
 }
 
+/// Runs CPU-heavy work (generating, digesting hundreds of MiB) without
+/// stalling the runtime: other requests' transfers and control messages keep
+/// moving on the remaining workers.
+fn cpu<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -384,6 +395,25 @@ impl StageWorker {
                 ));
             }
         };
+        // Touch every page now, as registering memory with a NIC pins it: requests then
+        // measure the data plane, not first-touch page faults.
+        let mut bufs: Vec<&Buffer> = Vec::new();
+        for side in inbound.iter() {
+            bufs.push(match &side.mem {
+                InMem::Ec(s) => &s.buffer,
+                InMem::Kv(k) => &k.buffer,
+                InMem::Pool(p) => &p.buffer,
+            });
+        }
+        for side in outbound.iter() {
+            bufs.push(match &side.mem {
+                OutMem::Staging(p) => &p.buffer,
+                OutMem::Kv(k) => &k.buffer,
+            });
+        }
+        for b in bufs {
+            cpu(|| b.fill(0, b.len(), |m| m.fill(0)))?;
+        }
         Ok(Self {
             stub: Stub::new(stage, cfg.compute),
             cfg,
@@ -521,13 +551,13 @@ impl StageWorker {
                         // drop of `held` fails the rest, so nobody caches a bad entry.
                         for (hash, offset, tensor) in held.reserved.clone() {
                             let spec = hop.tensor(&tensor).expect("reserved from the hop");
-                            let found = store
-                                .buffer
-                                .view(offset, spec.byte_length, |b| {
+                            let found = cpu(|| {
+                                store.buffer.view(offset, spec.byte_length, |b| {
                                     self.stub.check_input(plan, &tensor, b)
                                 })
-                                .map_err(|e| hop_err(Some(&tensor), &e))?
-                                .map_err(|e| hop_err(Some(&tensor), &e))?;
+                            })
+                            .map_err(|e| hop_err(Some(&tensor), &e))?
+                            .map_err(|e| hop_err(Some(&tensor), &e))?;
                             let declared = digests.iter().find(|d| d.tensor == tensor);
                             if declared.map(|d| d.digest.as_str()) != Some(&found.to_hex()) {
                                 return Err(hop_err(
@@ -616,30 +646,33 @@ impl StageWorker {
                 match reply? {
                     Msg::Finish { .. } => {
                         // Every block the stage will use, reused ones included.
-                        for layer in 0..layout.num_layers {
-                            for v in [false, true] {
-                                let name = if v {
-                                    KvLayout::v_name(layer)
-                                } else {
-                                    KvLayout::k_name(layer)
-                                };
-                                let digests = held
-                                    .blocks
-                                    .iter()
-                                    .map(|&b| {
-                                        kv.buffer.view(
-                                            kv.geo.offset(layer, v, b),
-                                            bb,
-                                            Digest128::of_bytes,
-                                        )
-                                    })
-                                    .collect::<std::result::Result<Vec<_>, _>>()
-                                    .map_err(|e| hop_err(Some(&name), &e))?;
-                                self.stub
-                                    .check_kv_blocks(plan, &name, &digests)
-                                    .map_err(|e| hop_err(Some(&name), &e))?;
+                        cpu(|| -> Result<()> {
+                            for layer in 0..layout.num_layers {
+                                for v in [false, true] {
+                                    let name = if v {
+                                        KvLayout::v_name(layer)
+                                    } else {
+                                        KvLayout::k_name(layer)
+                                    };
+                                    let digests = held
+                                        .blocks
+                                        .iter()
+                                        .map(|&b| {
+                                            kv.buffer.view(
+                                                kv.geo.offset(layer, v, b),
+                                                bb,
+                                                Digest128::of_bytes,
+                                            )
+                                        })
+                                        .collect::<std::result::Result<Vec<_>, _>>()
+                                        .map_err(|e| hop_err(Some(&name), &e))?;
+                                    self.stub
+                                        .check_kv_blocks(plan, &name, &digests)
+                                        .map_err(|e| hop_err(Some(&name), &e))?;
+                                }
                             }
-                        }
+                            Ok(())
+                        })?;
                         if self.cfg.prefix_cache {
                             let mut pool = kv.lock();
                             for (i, &b) in held.blocks.iter().enumerate().take(full) {
@@ -715,13 +748,13 @@ impl StageWorker {
                                     ),
                                 ));
                             }
-                            let found = pool
-                                .buffer
-                                .view(offset, t.byte_length, |b| {
+                            let found = cpu(|| {
+                                pool.buffer.view(offset, t.byte_length, |b| {
                                     self.stub.check_input(plan, &t.name, b)
                                 })
-                                .map_err(|e| hop_err(Some(&t.name), &e))?
-                                .map_err(|e| hop_err(Some(&t.name), &e))?;
+                            })
+                            .map_err(|e| hop_err(Some(&t.name), &e))?
+                            .map_err(|e| hop_err(Some(&t.name), &e))?;
                             if found != e.digest {
                                 return Err(hop_err(
                                     Some(&t.name),
@@ -919,7 +952,7 @@ impl StageWorker {
                     }
                     Ok(())
                 };
-                if let Err(e) = fill() {
+                if let Err(e) = cpu(fill) {
                     self.abort_outbound(rid, plan, &e).await;
                     return Err(e);
                 }
@@ -1139,14 +1172,14 @@ impl StageWorker {
             .reserve(len, self.timeout())
             .await
             .map_err(|e| fail(&e))?;
-        let digest = pool
-            .buffer
-            .fill(lease.offset, len, |b| {
+        let digest = cpu(|| {
+            pool.buffer.fill(lease.offset, len, |b| {
                 self.stub.produce(plan, spec, 0, b)?;
                 Ok::<_, omnirig_model_stubs::StubError>(Digest128::of_bytes(b))
             })
-            .map_err(|e| fail(&e))?
-            .map_err(|e| fail(&e))?;
+        })
+        .map_err(|e| fail(&e))?
+        .map_err(|e| fail(&e))?;
         Ok((lease, len, digest))
     }
 
