@@ -14,10 +14,10 @@ fn five_stage_processes_over_tcp_on_loopback_interface() {
     let dir = out_dir("processes");
     std::fs::create_dir_all(&dir).unwrap();
     let scenario = dir.join("scenario.yaml");
-    // Every golden case but the 300 MiB one (debug builds), plus a repeat for EC dedupe / KV prefix.
+    // Every golden case, plus a repeat for EC dedupe and a KV prefix hit.
     std::fs::write(
         &scenario,
-        "name: processes\nconcurrency: 2\nrequests:\n  - case: text_short\n  - case: image_audio\n    repeat: 2\n  - case: long_audio\n",
+        "name: processes\nconcurrency: 2\nrequests:\n  - case: text_short\n  - case: image_audio\n    repeat: 2\n  - case: long_audio\n  - case: video_large_kv\n",
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_omnirig"))
@@ -35,7 +35,8 @@ fn five_stage_processes_over_tcp_on_loopback_interface() {
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["mode"], "processes");
-    assert_eq!(report["summary"]["ok"], 4);
+    assert_eq!(report["summary"]["ok"], 5);
+    assert!(report["summary"]["reused_bytes"].as_u64().unwrap() > 0);
     assert_eq!(report["summary"]["failed"], 0);
     assert_eq!(report["summary"]["pools_clean"], true);
     for hop in report["hops"].as_array().unwrap() {

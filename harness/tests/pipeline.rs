@@ -143,3 +143,17 @@ requests: [{ case: text_short }]
     assert!(!r.passed());
     assert!(r.summary.pools_clean, "{}", r.summary_text());
 }
+
+/// The README's first command: the embedded default scenario, in one process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_scenario_runs_clean_loopback() {
+    let r = Runner::new(Scenario::default_scenario())
+        .run()
+        .await
+        .unwrap();
+    assert_clean_pass(&r);
+    assert_eq!((r.summary.requests, r.mode.as_str()), (5, "in_process"));
+    assert!(r.summary.reused_bytes > 0, "the repeat reuses EC and KV");
+    let text = r.summary_text();
+    assert!(text.contains("5/5 requests ok, pools clean"), "{text}");
+}
