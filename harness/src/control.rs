@@ -526,6 +526,27 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn late_messages_for_a_forgotten_request_are_dropped() {
+        let (a, b) = Link::pair("t");
+        b.forget("r1");
+        a.send(Msg::Refuse {
+            request: "r1".into(),
+            cause: "late".into(),
+        })
+        .unwrap();
+        assert_eq!(b.open_keys(), 0);
+        a.send(Msg::Refuse {
+            request: "r2".into(),
+            cause: String::new(),
+        })
+        .unwrap();
+        assert_eq!(b.open_keys(), 1);
+        b.recv("r2", Duration::from_secs(1)).await.unwrap();
+        b.forget("r2");
+        assert_eq!(b.open_keys(), 0);
+    }
+
+    #[tokio::test]
     async fn routes_by_request_over_tcp() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();

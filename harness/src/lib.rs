@@ -1,12 +1,24 @@
 //! Connectors, pipeline runner, scenarios and reports.
 //!
-//! - [`stage`]: a stage worker (stub, engines, pools) and its connector sides.
+//! ```no_run
+//! # async fn demo() -> omnirig_harness::Result<()> {
+//! use omnirig_harness::{Runner, Scenario};
+//! let report = Runner::new(Scenario::default_scenario()).progress(true).run().await?;
+//! report.write(std::path::Path::new("out"))?;
+//! assert!(report.passed(), "{}", report.summary_text());
+//! # Ok(()) }
+//! ```
+//!
+//! - [`stage`]: a stage worker (stub, one engine per hop end, registered
+//!   pools) and its side of each connector. Every hop is consumer-driven:
+//!   reserve + grant, the producer writes, then FINISH / packet v1 / ERROR.
 //! - [`ec`], [`kv`]: I/O-free connector state (encoder cache by mm_hash; paged
-//!   KV blocks, prefix cache, run coalescing), unit-tested alone.
-//! - [`control`]: control messages, in-process or framed msgpack over TCP.
+//!   KV blocks with a prefix cache, block lists, run coalescing).
+//! - [`control`]: control messages, in-process or framed msgpack over TCP,
+//!   routed per request.
 //! - [`pool`]: registered pools carved into disjoint ranges.
-//! - [`scenario`], [`runner`], [`report`]: what to run, running it, the report.
-//! - [`process`]: stages as OS processes (`omnirig stage`), orchestrated over TCP.
+//! - [`scenario`]: YAML scenarios; [`runner`]: runs one (in process, or as OS
+//!   processes via [`process`]); [`report`]: `report.json`.
 
 pub mod control;
 pub mod ec;

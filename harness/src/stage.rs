@@ -115,24 +115,53 @@ pub struct Sent {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StageUsage {
     pub stage: String,
-    /// (pool name, bytes reserved, ranges reserved)
-    pub pools: Vec<(String, u64, usize)>,
+    pub pools: Vec<PoolUsage>,
+    /// KV blocks held by requests (cached prefix blocks are dropped before counting).
     pub kv_blocks_in_use: usize,
+    /// Encoder-cache entries held by requests or half-received.
     pub ec_entries_in_use: usize,
-    /// Per engine: grants, batches, tasks, leases.
-    pub engines: Vec<(String, usize, usize, usize, usize)>,
+    pub engines: Vec<EngineUsage>,
+    /// Control-link mailboxes of requests not yet forgotten.
     pub open_mailboxes: usize,
+}
+
+/// A registered pool's reserved ranges.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PoolUsage {
+    pub name: String,
+    pub bytes: u64,
+    pub ranges: usize,
+}
+
+/// What an engine still holds (from [`omnirig_transports::Usage`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineUsage {
+    pub name: String,
+    pub grants: usize,
+    pub batches: usize,
+    pub tasks: usize,
+    pub leases: usize,
+}
+
+impl PoolUsage {
+    fn new(name: &str, (bytes, ranges): (u64, usize)) -> Self {
+        Self {
+            name: name.into(),
+            bytes,
+            ranges,
+        }
+    }
 }
 
 impl StageUsage {
     pub fn is_clean(&self) -> bool {
-        self.pools.iter().all(|p| p.1 == 0 && p.2 == 0)
+        self.pools.iter().all(|p| p.bytes == 0 && p.ranges == 0)
             && self.kv_blocks_in_use == 0
             && self.ec_entries_in_use == 0
             && self
                 .engines
                 .iter()
-                .all(|e| (e.1, e.2, e.3, e.4) == (0, 0, 0, 0))
+                .all(|e| (e.grants, e.batches, e.tasks, e.leases) == (0, 0, 0, 0))
             && self.open_mailboxes == 0
     }
 }
@@ -1201,8 +1230,8 @@ impl StageWorker {
                     let mut c = store.lock();
                     c.clear();
                     u.ec_entries_in_use = c.in_use();
-                    let (b, r) = c.held();
-                    u.pools.push(("thinker_prefill.encoder_cache".into(), b, r));
+                    u.pools
+                        .push(PoolUsage::new("thinker_prefill.encoder_cache", c.held()));
                 }
                 InMem::Kv(kv) => {
                     let mut p = kv.lock();
@@ -1210,8 +1239,7 @@ impl StageWorker {
                     u.kv_blocks_in_use += p.in_use();
                 }
                 InMem::Pool(p) => {
-                    let (b, r) = p.usage();
-                    u.pools.push((p.name.clone(), b, r));
+                    u.pools.push(PoolUsage::new(&p.name, p.usage()));
                 }
             }
         }
@@ -1221,8 +1249,7 @@ impl StageWorker {
             match &s.mem {
                 OutMem::Kv(kv) => u.kv_blocks_in_use += kv.lock().in_use(),
                 OutMem::Staging(p) => {
-                    let (b, r) = p.usage();
-                    u.pools.push((p.name.clone(), b, r));
+                    u.pools.push(PoolUsage::new(&p.name, p.usage()));
                 }
             }
         }
@@ -1231,13 +1258,13 @@ impl StageWorker {
                 Ok(us) => us,
                 Err(_) => e.usage(),
             };
-            u.engines.push((
-                e.name().to_string(),
-                us.grants,
-                us.batches,
-                us.tasks,
-                us.leases,
-            ));
+            u.engines.push(EngineUsage {
+                name: e.name().to_string(),
+                grants: us.grants,
+                batches: us.batches,
+                tasks: us.tasks,
+                leases: us.leases,
+            });
         }
         u
     }
