@@ -63,7 +63,7 @@ fn run_fails_with_a_named_error_loopback() {
     let scenario = dir.join("scenario.yaml");
     std::fs::write(
         &scenario,
-        "hop_timeout_s: 0.1\ncompute: { thinker_prefill: { per_item_us: 300000 } }\nrequests: [{ case: text_short }]\n",
+        "request_timeout_s: 0.1\ncompute: { thinker_prefill: { per_item_us: 300000 } }\nrequests: [{ case: text_short }]\n",
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_omnirig"))

@@ -45,6 +45,11 @@ pub struct NamedDigest {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
+    // ---- hop: producer -> consumer ----
+    /// The producer's outputs for the request exist: reserve for them now.
+    Offer {
+        request: String,
+    },
     // ---- hop: consumer -> producer ----
     /// EC: per mm_hash, a grant, or none when the consumer has it cached.
     EcReserve {
@@ -142,7 +147,8 @@ impl Msg {
     /// The mailbox a message goes to.
     pub fn key(&self) -> &str {
         match self {
-            Msg::EcReserve { request, .. }
+            Msg::Offer { request }
+            | Msg::EcReserve { request, .. }
             | Msg::KvReserve { request, .. }
             | Msg::StageReserve { request, .. }
             | Msg::Refuse { request, .. }
@@ -156,6 +162,7 @@ impl Msg {
 
     pub fn name(&self) -> &'static str {
         match self {
+            Msg::Offer { .. } => "offer",
             Msg::EcReserve { .. } => "ec_reserve",
             Msg::KvReserve { .. } => "kv_reserve",
             Msg::StageReserve { .. } => "stage_reserve",

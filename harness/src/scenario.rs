@@ -11,7 +11,8 @@
 //! block_tokens: 16               # KV block size
 //! include_deepstack: true        # vision rows carry DeepStack features
 //! prefix_cache: true             # decode reuses KV blocks it already holds
-//! hop_timeout_s: 60
+//! hop_timeout_s: 60             # one hop: offer -> FINISH / packet
+//! request_timeout_s: 600        # a stage waiting for its upstream's offer
 //! requests:
 //!   - case: image_audio          # a golden case
 //!     repeat: 2
@@ -61,6 +62,9 @@ fn block16() -> u64 {
 fn sixty() -> f64 {
     60.0
 }
+fn six_hundred() -> f64 {
+    600.0
+}
 fn closed() -> String {
     "closed".into()
 }
@@ -88,8 +92,12 @@ pub struct Scenario {
     pub include_deepstack: bool,
     #[serde(default = "yes")]
     pub prefix_cache: bool,
+    /// One hop, from the producer's offer to FINISH / packet.
     #[serde(default = "sixty")]
     pub hop_timeout_s: f64,
+    /// How long a stage waits for its upstream's offer (all upstream work).
+    #[serde(default = "six_hundred")]
+    pub request_timeout_s: f64,
     pub requests: Vec<RequestEntry>,
 }
 
@@ -233,6 +241,7 @@ impl Scenario {
             include_deepstack: true,
             prefix_cache: true,
             hop_timeout_s: 60.0,
+            request_timeout_s: 600.0,
             requests: vec![RequestEntry {
                 case: Some(case.into()),
                 name: None,
@@ -256,8 +265,13 @@ impl Scenario {
         if self.requests.is_empty() {
             return Err(bad(source, "requests: at least one request"));
         }
-        if !(self.hop_timeout_s.is_finite() && self.hop_timeout_s > 0.0) {
-            return Err(bad(source, "hop_timeout_s must be a positive number"));
+        for (name, v) in [
+            ("hop_timeout_s", self.hop_timeout_s),
+            ("request_timeout_s", self.request_timeout_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(source, format!("{name} must be a positive number")));
+            }
         }
         match self.arrival.pattern.as_str() {
             "closed" => {}
@@ -386,6 +400,7 @@ impl Scenario {
             options: self.shape_options(),
             compute: self.compute.of(stage),
             hop_timeout: self.hop_timeout(),
+            request_timeout: Duration::from_secs_f64(self.request_timeout_s),
             prefix_cache: self.prefix_cache,
             sizes,
         }

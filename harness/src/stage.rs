@@ -49,7 +49,10 @@ pub struct StageConfig {
     pub card: Arc<ModelCard>,
     pub options: ShapeOptions,
     pub compute: ComputeTime,
+    /// Offer -> FINISH / packet of one hop.
     pub hop_timeout: Duration,
+    /// How long a consumer waits for its producer's offer (upstream stages' work).
+    pub request_timeout: Duration,
     pub prefix_cache: bool,
     pub sizes: PoolSizes,
 }
@@ -94,7 +97,7 @@ pub struct Received {
     pub landed_bytes: u64,
     /// Bytes not transferred because they were cached (EC dedupe, KV prefix hit).
     pub reused_bytes: u64,
-    /// Reservation sent -> every tensor verified.
+    /// Offer received -> every tensor verified.
     pub handoff_ms: f64,
     pub verify_ms: f64,
 }
@@ -536,7 +539,6 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
     ) -> Result<(Held, Received)> {
-        let t0 = Instant::now();
         let link = &side.end.link;
         let engine = &side.end.engine;
         let hop_err = |tensor: Option<&str>, cause: &dyn std::fmt::Display| {
@@ -550,6 +552,15 @@ impl StageWorker {
             });
             e
         };
+        // Reserve only once the producer has its outputs (as a scheduler would),
+        // so pools are held for the handoff, not for the upstream's compute. A
+        // consumer that gives up waiting says so, or its producer would wait a hop timeout.
+        match link.recv(rid, self.cfg.request_timeout).await {
+            Ok(Msg::Offer { .. }) => {}
+            Ok(other) => return Err(refuse(Self::bad_reply(hop, rid, other))),
+            Err(e) => return Err(refuse(hop_err(None, &format!("no offer: {e}")))),
+        }
+        let t0 = Instant::now();
         let mut rec = Received {
             hop: hop.payload_kind.as_str().into(),
             ..Default::default()
@@ -908,17 +919,13 @@ impl StageWorker {
         let (Some(side), Some(_)) = (&self.outbound, self.stub.outbound(plan)) else {
             return;
         };
-        let link = &side.end.link;
-        match link.recv(rid, self.timeout()).await {
-            Ok(Msg::Refuse { .. }) | Err(_) => {}
-            Ok(_) => {
-                let _ = link.send(Msg::Error {
-                    request: rid.into(),
-                    failed: vec![],
-                    cause: format!("{} did not run: {cause}", self.cfg.stage),
-                });
-            }
-        }
+        // The consumer is waiting for our offer (or, past it, for FINISH): either
+        // way an ERROR ends its wait and releases what it reserved.
+        let _ = side.end.link.send(Msg::Error {
+            request: rid.into(),
+            failed: vec![],
+            cause: format!("{} did not run: {cause}", self.cfg.stage),
+        });
     }
 
     async fn send(
@@ -989,6 +996,10 @@ impl StageWorker {
             }
             OutMem::Staging(_) => None,
         };
+        // Outputs exist: offer them, then the hop timeout runs from here.
+        link.send(Msg::Offer {
+            request: rid.into(),
+        })?;
         let msg = link.recv(rid, self.timeout()).await?;
         if let Msg::Refuse { cause, .. } = &msg {
             return Err(hop_err(None, &format!("consumer refused: {cause}")));

@@ -111,6 +111,11 @@ async fn rig(slow_out: bool) -> Rig {
 /// `corrupt` flipped after digesting), then publishes the packet.
 async fn play_decode(r: &Rig, rid: &str, corrupt: Option<&str>) {
     let hop = r.plan.hop(PayloadKind::ThinkerToTalker).unwrap();
+    r.up_link
+        .send(Msg::Offer {
+            request: rid.into(),
+        })
+        .unwrap();
     let Msg::StageReserve { grants, .. } = r.up_link.recv(rid, T).await.unwrap() else {
         panic!("expected a reservation")
     };
@@ -150,7 +155,12 @@ async fn stage_packet_published_only_after_tensors_landed_loopback() {
     let rid = "req-1";
     let (w, spec) = (r.worker.clone(), r.spec.clone());
     let task = tokio::spawn(async move { w.process("req-1", &spec).await });
-    // Plays code2wav: reserve and grant, then wait for the sidecar.
+    play_decode(&r, rid, None).await;
+    // Plays code2wav: on the talker's offer, reserve and grant, then wait for the sidecar.
+    assert!(matches!(
+        r.down_link.recv(rid, T).await.unwrap(),
+        Msg::Offer { .. }
+    ));
     let codes = &r.plan.hop(PayloadKind::TalkerToCode2wav).unwrap().tensors[0];
     let dst = r.down.allocate(codes.byte_length).unwrap();
     let g = r
@@ -167,7 +177,6 @@ async fn stage_packet_published_only_after_tensors_landed_loopback() {
         })
         .unwrap();
     let t0 = Instant::now();
-    play_decode(&r, rid, None).await;
     let Msg::Packet { packet, .. } = r.down_link.recv(rid, T).await.unwrap() else {
         panic!("expected the packet")
     };
@@ -197,21 +206,6 @@ async fn corrupted_tensor_fails_naming_hop_and_tensor_and_releases_loopback() {
     let rid = "req-2";
     let (w, spec) = (r.worker.clone(), r.spec.clone());
     let task = tokio::spawn(async move { w.process("req-2", &spec).await });
-    let codes = &r.plan.hop(PayloadKind::TalkerToCode2wav).unwrap().tensors[0];
-    let dst = r.down.allocate(codes.byte_length).unwrap();
-    let g = r
-        .down
-        .grant(&dst, 0, codes.byte_length, Access::Write)
-        .unwrap();
-    r.down_link
-        .send(Msg::StageReserve {
-            request: rid.into(),
-            grants: vec![NamedGrant {
-                tensor: codes.name.clone(),
-                grant: g.clone(),
-            }],
-        })
-        .unwrap();
     play_decode(&r, rid, Some("embed.tts_eos")).await;
     let outcome = task.await.unwrap();
     let err = outcome.error.unwrap();
@@ -219,12 +213,11 @@ async fn corrupted_tensor_fails_naming_hop_and_tensor_and_releases_loopback() {
         err.contains("thinker_to_talker") && err.contains("embed.tts_eos") && err.contains(rid),
         "{err}"
     );
-    // The talker never started: downstream is told, with the cause.
+    // The talker never started: downstream, waiting for its offer, is told why.
     match r.down_link.recv(rid, T).await.unwrap() {
         Msg::Error { cause, .. } => assert!(cause.contains("embed.tts_eos"), "{cause}"),
         other => panic!("expected ERROR, got {other:?}"),
     }
-    r.down.revoke(&g);
     let u = r.worker.drain().await;
     assert!(u.is_clean(), "{u:?}");
 }
@@ -296,4 +289,31 @@ async fn kv_error_names_the_failed_blocks_and_releases_loopback() {
     // Nothing downstream ran; every pool is back to zero.
     assert!(r.summary.pools_clean, "{}", r.summary_text());
     assert_eq!(r.summary.failed, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_timeout_fails_the_transfer_and_names_it_loopback() {
+    // Each KV slice takes 150 ms; the hop allows 100 ms from offer to FINISH.
+    let s =
+        Scenario::from_yaml("hop_timeout_s: 0.1\nrequests: [{ case: text_short }]", "t").unwrap();
+    let r = omnirig_harness::Runner::new(s)
+        .decorate(
+            PayloadKind::KvCache,
+            Arc::new(|t| Arc::new(Slow(t)) as Arc<dyn Transport>),
+        )
+        .run()
+        .await
+        .unwrap();
+    let q = &r.requests[0];
+    let err = q.error.as_deref().unwrap();
+    assert!(
+        err.contains("kv_cache") && err.contains("timed out"),
+        "{err}"
+    );
+    assert!(
+        q.errors.iter().any(|e| e.starts_with("thinker_decode:")),
+        "{:?}",
+        q.errors
+    );
+    assert!(r.summary.pools_clean, "{}", r.summary_text());
 }

@@ -125,10 +125,10 @@ requests:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_handoff_names_hop_and_releases_pools_loopback() {
-    // Prefill takes 300 ms; decode gives up on the KV hop after 100 ms.
+    // Prefill takes 300 ms; decode gives up waiting for its KV offer after 100 ms.
     let yaml = r#"
 transport: loopback
-hop_timeout_s: 0.1
+request_timeout_s: 0.1
 compute: { thinker_prefill: { per_item_us: 300000 } }
 requests: [{ case: text_short }]
 "#;
