@@ -453,6 +453,12 @@ mod tests {
     }
 
     #[test]
+    fn shipped_scenarios_parse() {
+        let s = Scenario::from_yaml(include_str!("../scenarios/mixed.yaml"), "mixed.yaml").unwrap();
+        assert_eq!(s.expand().unwrap().len(), 9);
+    }
+
+    #[test]
     fn scenario_yaml_with_everything() {
         let yaml = r#"
 name: mixed

@@ -270,6 +270,8 @@ struct EcHeld {
     ready: Vec<String>,
     /// (mm_hash, offset, tensor) reserved and not yet verified.
     reserved: Vec<(String, u64, String)>,
+    /// (offset, tensor) of cache hits, checked again before the stage starts.
+    hits: Vec<(u64, String)>,
     grants: Vec<Grant>,
 }
 
@@ -475,8 +477,16 @@ impl StageWorker {
         };
         if self.stub.participates(&plan) {
             out.participated = true;
-            if let Err(e) = self.run(request, &plan, &mut out).await {
-                out.error = Some(e.to_string());
+            let span = tracing::debug_span!("stage", stage = %self.cfg.stage, request);
+            let r = tracing::Instrument::instrument(self.run(request, &plan, &mut out), span).await;
+            match r {
+                Ok(()) => {
+                    tracing::debug!(stage = %self.cfg.stage, request, received = ?out.received, sent = ?out.sent, "done")
+                }
+                Err(e) => {
+                    tracing::warn!(stage = %self.cfg.stage, request, error = %e, "request failed");
+                    out.error = Some(e.to_string());
+                }
             }
         }
         for side in [
@@ -572,6 +582,7 @@ impl StageWorker {
                     engine: engine.clone(),
                     ready: vec![],
                     reserved: vec![],
+                    hits: vec![],
                     grants: vec![],
                 };
                 let slots = self
@@ -611,6 +622,18 @@ impl StageWorker {
                             held.ready.push(hash);
                             rec.tensors += 1;
                             rec.landed_bytes += spec.byte_length;
+                        }
+                        // Cached entries are the stage's inputs too: the fence covers them.
+                        for (offset, tensor) in &held.hits {
+                            let spec = hop.tensor(tensor).expect("hit from the hop");
+                            cpu(|| {
+                                store.buffer.view(*offset, spec.byte_length, |b| {
+                                    self.stub.check_input(plan, tensor, b)
+                                })
+                            })
+                            .map_err(|e| hop_err(Some(tensor), &e))?
+                            .map_err(|e| hop_err(Some(tensor), &e))?;
+                            rec.tensors += 1;
                         }
                     }
                     other => return Err(Self::bad_reply(hop, rid, other)),
@@ -847,8 +870,9 @@ impl StageWorker {
                 notified.as_mut().enable();
                 let got = store.lock().acquire(&item.mm_hash, spec.byte_length);
                 match got {
-                    EcAcquire::Hit { .. } => {
+                    EcAcquire::Hit { offset, .. } => {
                         held.ready.push(item.mm_hash.clone());
+                        held.hits.push((offset, spec.name.clone()));
                         rec.reused_bytes += spec.byte_length;
                         slots.push(EcSlot {
                             mm_hash: item.mm_hash.clone(),

@@ -86,6 +86,11 @@ async fn repeat_dedupes_ec_and_moves_only_kv_tail(#[values("loopback", "tcp")] t
         "second request moves no embeddings"
     );
     assert_eq!(ec1.reused_bytes, ec0.bytes);
+    assert_eq!(
+        (ec0.tensors, ec1.tensors),
+        (2, 2),
+        "cached embeddings are verified too"
+    );
     let (kv0, kv1) = (hop(0, PayloadKind::KvCache), hop(1, PayloadKind::KvCache));
     assert_eq!(kv0.reused_bytes, 0);
     assert!(kv1.reused_bytes > 0 && kv1.moved_bytes < kv0.moved_bytes);
