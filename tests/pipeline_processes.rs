@@ -1,4 +1,8 @@
-//! `omnirig run --processes`: each stage its own OS process, over tcp on 127.0.0.1.
+//! The pipeline from the root package, so a plain `cargo test loopback` at the
+//! repository root runs it: every golden case through the five stages in one
+//! process over loopback, `omnirig run --processes` (each stage its own OS
+//! process, over tcp on 127.0.0.1), and the CLI's failure exit status. The
+//! full matrix (both transports, connector cases) is in `harness/tests`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -7,6 +11,26 @@ fn out_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("omnirig-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     d
+}
+
+/// Every golden case, one after another, in one process over loopback: every
+/// hop verified bit-exact, every request finished, every pool back to zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_golden_case_in_one_process_loopback() {
+    use omnirig_harness::{Runner, Scenario};
+    for case in omnirig_fixtures::golden_cases() {
+        let r = Runner::new(Scenario::golden(&case.name, "loopback"))
+            .run()
+            .await
+            .unwrap();
+        assert!(r.passed(), "{}: {}", case.name, r.summary_text());
+        for q in &r.requests {
+            assert!(q.ok, "{}: {:?}", q.id, q.error);
+            for h in &q.hops {
+                assert!(h.verified && h.moved_bytes == h.bytes, "{} {h:?}", q.id);
+            }
+        }
+    }
 }
 
 #[test]
