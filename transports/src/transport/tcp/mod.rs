@@ -227,7 +227,11 @@ async fn recv_into(
     fence: Option<&Arc<GrantEntry>>,
     spin: Duration,
 ) -> std::result::Result<(), Stop> {
-    let spin = if len <= SPIN_PAYLOAD_MAX { spin } else { Duration::ZERO };
+    let spin = if len <= SPIN_PAYLOAD_MAX {
+        spin
+    } else {
+        Duration::ZERO
+    };
     let mut got = 0u64;
     while got < len {
         let attempt = || -> io::Result<std::result::Result<usize, Error>> {
