@@ -302,16 +302,22 @@ impl Batch {
     pub async fn wait_all(&self) -> Result<()> {
         self.wait_until(|s| s.all_terminal() || s.first_failure().is_some())
             .await;
+        self.outcome().expect("every task ended or one failed")
+    }
+
+    /// [`wait_all`](Self::wait_all)'s answer if it is known now: `None` while tasks still run
+    /// and none has failed.
+    pub fn outcome(&self) -> Option<Result<()>> {
         let s = self.shared.lock();
         let Some(task) = s.first_failure() else {
-            return Ok(());
+            return s.all_terminal().then_some(Ok(()));
         };
         let err = match s.state(task) {
             Some(TaskState::Failed(e)) => e.clone(),
             Some(TaskState::TimedOut) => Error::new(ErrorKind::TimedOut, "batch deadline passed"),
             _ => Error::new(ErrorKind::Canceled, "batch canceled"),
         };
-        Err(err.with_task(self.shared.id, task))
+        Some(Err(err.with_task(self.shared.id, task)))
     }
 
     /// Cancels every task still running; they end Canceled.

@@ -753,7 +753,7 @@ impl Engine {
     pub async fn submit(&self, requests: Vec<Request>, timeout: Option<Duration>) -> Result<Batch> {
         let (batch, rest, span) = self.start(requests, timeout)?;
         for (i, p) in rest {
-            let task = run_task(self.inner.clone(), batch.shared.clone(), i, p);
+            let task = run_task(self.inner.clone(), batch.shared.clone(), i, p, true);
             tokio::spawn(task.instrument(span.clone()));
         }
         Ok(batch)
@@ -848,9 +848,18 @@ impl Engine {
     /// The caller's task drives the transfers itself (no spawned tasks, no cross-task
     /// wake-ups); dropping the future cancels them, as dropping a batch does.
     pub async fn transfer(&self, requests: Vec<Request>, timeout: Option<Duration>) -> Result<()> {
-        let (batch, rest, span) = self.start(requests, timeout)?;
+        let (batch, mut rest, span) = self.start(requests, timeout)?;
+        if rest.len() <= 1 {
+            // Nothing to race: drive the one task (if any) to its end, then read the outcome.
+            if let Some((i, p)) = rest.pop() {
+                run_task(self.inner.clone(), batch.shared.clone(), i, p, false)
+                    .instrument(span)
+                    .await;
+            }
+            return batch.outcome().expect("every task has ended");
+        }
         let drivers = futures_util::future::join_all(rest.into_iter().map(|(i, p)| {
-            run_task(self.inner.clone(), batch.shared.clone(), i, p).instrument(span.clone())
+            run_task(self.inner.clone(), batch.shared.clone(), i, p, false).instrument(span.clone())
         }));
         tokio::select! {
             _ = drivers => batch.wait_all().await,
@@ -892,7 +901,16 @@ impl Drop for TaskAlive {
     }
 }
 
-async fn run_task(inner: Arc<EngineInner>, batch: Arc<BatchShared>, i: usize, p: Prepared) {
+/// Drives one task to its terminal state. `cancelable`: whether someone else can cancel the
+/// batch while this runs (a submitted batch can; `transfer()`'s single task is canceled by
+/// dropping its future instead, so it skips registering for that).
+async fn run_task(
+    inner: Arc<EngineInner>,
+    batch: Arc<BatchShared>,
+    i: usize,
+    p: Prepared,
+    cancelable: bool,
+) {
     let alive = TaskAlive(inner.core.live.clone());
     let r = &p.req;
     if !batch.lock().start(i) {
@@ -948,7 +966,7 @@ async fn run_task(inner: Arc<EngineInner>, batch: Arc<BatchShared>, i: usize, p:
     };
     let outcome = tokio::select! {
         biased;
-        _ = batch.cancel.cancelled() => TaskState::Canceled,
+        _ = batch.cancel.cancelled(), if cancelable => TaskState::Canceled,
         _ = inner.shutdown.cancelled() => TaskState::Failed(Error::new(ErrorKind::EngineClosed, "engine shut down")),
         r = timed => match r {
             Some(Ok(())) => TaskState::Completed,
