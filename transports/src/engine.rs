@@ -358,9 +358,33 @@ pub struct Request {
     /// Offset relative to the start of the grant.
     pub grant_offset: u64,
     pub len: u64,
+    /// Opaque to the engine; carried to every slice so a decorator (fault injection,
+    /// accounting) can tell which caller-level item a slice belongs to. 0 when unused.
+    pub tag: u64,
 }
 
 impl Request {
+    /// Sets the request's tag.
+    pub fn tagged(mut self, tag: u64) -> Self {
+        self.tag = tag;
+        self
+    }
+
+    /// The slice of this request at `offset..offset+len` (relative to the request).
+    fn slice(&self, local: &Arc<Region>, offset: u64, len: u64) -> SliceOp {
+        SliceOp {
+            kind: self.kind,
+            local: local.clone(),
+            local_offset: self.local_offset + offset,
+            grant: self.grant.wire(),
+            grant_offset: self.grant_offset + offset,
+            len,
+            tag: self.tag,
+            request_offset: offset,
+            request_len: self.len,
+        }
+    }
+
     /// Writes `len` bytes from `local` at `local_offset` into the grant at `grant_offset`.
     pub fn write(
         local: &Buffer,
@@ -376,6 +400,7 @@ impl Request {
             grant: grant.clone(),
             grant_offset,
             len,
+            tag: 0,
         }
     }
 
@@ -394,6 +419,7 @@ impl Request {
             grant: grant.clone(),
             grant_offset,
             len,
+            tag: 0,
         }
     }
 }
@@ -926,29 +952,13 @@ async fn run_task(
         let s = peer.link.slicing();
         if r.len <= s.slice_size {
             // One slice: no stream machinery on the latency path.
-            let op = SliceOp {
-                kind: r.kind,
-                local: p.buf.region.clone(),
-                local_offset: r.local_offset,
-                grant: r.grant.wire(),
-                grant_offset: r.grant_offset,
-                len: r.len,
-            };
-            peer.link.execute(op).await?;
+            peer.link.execute(r.slice(&p.buf.region, 0, r.len)).await?;
             batch.progress(i, r.len);
             return Ok(());
         }
         let mut pending = futures_util::stream::iter(slices(r.len, s.slice_size))
             .map(|(off, len)| {
-                let op = SliceOp {
-                    kind: r.kind,
-                    local: p.buf.region.clone(),
-                    local_offset: r.local_offset + off,
-                    grant: r.grant.wire(),
-                    grant_offset: r.grant_offset + off,
-                    len,
-                };
-                let fut = peer.link.execute(op);
+                let fut = peer.link.execute(r.slice(&p.buf.region, off, len));
                 async move { fut.await.map(|()| len) }
             })
             .buffer_unordered(s.in_flight.max(1));
@@ -1036,14 +1046,7 @@ impl EngineInner {
         if r.len > peer.link.slicing().slice_size {
             return Some(p);
         }
-        let op = SliceOp {
-            kind: r.kind,
-            local: p.buf.region.clone(),
-            local_offset: r.local_offset,
-            grant: r.grant.wire(),
-            grant_offset: r.grant_offset,
-            len: r.len,
-        };
+        let op = r.slice(&p.buf.region, 0, r.len);
         let span = transfer_span(i, r);
         span.record("transport", peer.info.transport)
             .record("device", peer.info.device.as_str());

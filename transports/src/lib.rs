@@ -28,5 +28,6 @@ pub use error::{Error, ErrorKind, Result};
 pub use grant::{Access, Grant};
 pub use metadata::{InProcessStore, MetadataStore};
 pub use segment::SegmentDescriptor;
+pub use transport::fault::{FaultInjector, FaultKind, FaultPoint, FaultRule};
 pub use transport::tcp::TcpConfig;
 pub use transport::{Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};

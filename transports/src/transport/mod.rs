@@ -15,6 +15,7 @@ use crate::grant::GrantRef;
 use crate::memory::Region;
 use crate::segment::SegmentDescriptor;
 
+pub mod fault;
 pub mod loopback;
 pub mod tcp;
 
@@ -60,6 +61,11 @@ pub struct SliceOp {
     /// Offset relative to the grant's start.
     pub grant_offset: u64,
     pub len: u64,
+    /// The request's tag (see [`crate::Request::tag`]).
+    pub tag: u64,
+    /// Where this slice starts within its request, and the request's whole length.
+    pub request_offset: u64,
+    pub request_len: u64,
 }
 
 /// What a link is, for logs and reports: "this ran over tcp to 10.0.0.2:4000".
@@ -93,6 +99,10 @@ pub trait Link: Send + Sync + 'static {
     fn slicing(&self) -> Slicing;
     /// Moves one slice. Dropping the future cancels it; the link stays usable.
     fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>>;
+
+    /// Drops every idle connection to the peer (fault injection uses it to model a link that
+    /// went down; the next slice reconnects). A no-op where there are no connections.
+    fn drop_connections(&self) {}
 
     /// Moves one slice right now on the caller's thread, if this link is a plain memory
     /// copy. The engine uses it for single-slice tasks to skip scheduling entirely; links

@@ -736,6 +736,10 @@ impl Link for TcpLink {
         }
     }
 
+    fn drop_connections(&self) {
+        self.0.idle().clear();
+    }
+
     fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
         let link = self.0.clone();
         Box::pin(async move { link.execute(op).await.map_err(|e| e.with_peer(&link.peer)) })
