@@ -1,7 +1,9 @@
 //! Benchmark suites and what they share: sizes, latency statistics, the JSON result shape
 //! (`rows` with `omnirig`, `baseline`, `ratio`), and the printed table.
 
+pub mod hop;
 pub mod peer;
+pub mod pipeline;
 pub mod transfer;
 
 use std::time::Duration;
@@ -89,7 +91,13 @@ impl Samples {
             gbps: self.gbps(),
             p50_us: self.percentile_us(50.0),
             p99_us: self.percentile_us(99.0),
+            samples_us: None,
         }
+    }
+
+    /// Every sample in microseconds, in the order taken (for CDF plots).
+    pub fn samples_us(&self) -> Vec<f64> {
+        self.lat.iter().map(|d| d.as_secs_f64() * 1e6).collect()
     }
 }
 
@@ -98,6 +106,9 @@ pub struct Measured {
     pub gbps: f64,
     pub p50_us: f64,
     pub p99_us: f64,
+    /// Every latency sample (us), for CDF plots (hop suite).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_us: Option<Vec<f64>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -105,6 +116,10 @@ pub struct Baseline {
     pub name: String,
     pub gbps: f64,
     pub p50_us: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99_us: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_us: Option<Vec<f64>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -115,6 +130,18 @@ pub struct Row {
     pub baseline: Baseline,
     /// omnirig GB/s over baseline GB/s.
     pub ratio: f64,
+    /// Hop and pipeline suites: the scenario's request (golden case) the row measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub case: Option<String>,
+    /// Hop suite: which hop (ec, kv, thinker-talker, talker-code2wav).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hop: Option<String>,
+    /// Pipeline suite: requests in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<usize>,
+    /// Pipeline suite: requests per second (omnirig, baseline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throughput_rps: Option<(f64, f64)>,
 }
 
 impl Row {
@@ -130,8 +157,20 @@ impl Row {
                 name: base_name.into(),
                 gbps: b.gbps,
                 p50_us: b.p50_us,
+                p99_us: Some(b.p99_us),
+                samples_us: None,
             },
+            case: None,
+            hop: None,
+            concurrency: None,
+            throughput_rps: None,
         }
+    }
+
+    /// Keeps every sample of both sides in the JSON (for CDF plots).
+    pub fn attach_samples(&mut self, ours: &Samples, base: &Samples) {
+        self.omnirig.samples_us = Some(ours.samples_us());
+        self.baseline.samples_us = Some(base.samples_us());
     }
 }
 
@@ -144,6 +183,13 @@ pub struct Results {
 
 impl Results {
     pub fn table(&self) -> String {
+        if self
+            .rows
+            .iter()
+            .any(|r| r.case.is_some() || r.concurrency.is_some())
+        {
+            return self.case_table();
+        }
         let mut s = format!(
             "{:<6} {:>6} {:>10} {:>10} {:>10}   {:<12} {:>10} {:>10} {:>7}\n",
             "op", "size", "GB/s", "p50 us", "p99 us", "baseline", "GB/s", "p50 us", "ratio"
@@ -163,6 +209,63 @@ impl Results {
             );
         }
         s
+    }
+}
+
+impl Results {
+    /// The hop and pipeline suites' table: one line per case (or concurrency) and baseline.
+    fn case_table(&self) -> String {
+        let mut s = format!(
+            "{:<20} {:<16} {:>8} {:>11} {:>11}   {:<12} {:>11} {:>11} {:>8} {:>8}\n",
+            "op",
+            "case",
+            "size",
+            "p50 us",
+            "p99 us",
+            "baseline",
+            "p50 us",
+            "p99 us",
+            "ratio",
+            "p50 x"
+        );
+        for r in &self.rows {
+            let case = match (r.concurrency, &r.case) {
+                (Some(c), _) => format!("c={c}"),
+                (None, Some(c)) => c.clone(),
+                _ => String::new(),
+            };
+            s += &format!(
+                "{:<20} {:<16} {:>8} {:>11.1} {:>11.1}   {:<12} {:>11.1} {:>11.1} {:>7.2}x {:>7.2}x\n",
+                r.op,
+                case,
+                human_size_approx(r.size),
+                r.omnirig.p50_us,
+                r.omnirig.p99_us,
+                r.baseline.name,
+                r.baseline.p50_us,
+                r.baseline.p99_us.unwrap_or(f64::NAN),
+                r.ratio,
+                r.baseline.p50_us / r.omnirig.p50_us
+            );
+            if let Some((ours, base)) = r.throughput_rps {
+                s += &format!(
+                    "{:<20} {:<16} {:>8} {:>11.1} req/s {:<12} {:>5.1} req/s\n",
+                    "", "", "", ours, "", base
+                );
+            }
+        }
+        s
+    }
+}
+
+/// Sizes that are not powers of two, shortened (3.2K, 145.3M).
+pub fn human_size_approx(n: u64) -> String {
+    let f = n as f64;
+    match n {
+        n if n >= 1 << 30 => format!("{:.1}G", f / (1u64 << 30) as f64),
+        n if n >= 1 << 20 => format!("{:.1}M", f / (1u64 << 20) as f64),
+        n if n >= 1 << 10 => format!("{:.1}K", f / 1024.0),
+        n => format!("{n}"),
     }
 }
 

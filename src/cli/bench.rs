@@ -5,16 +5,111 @@ use std::path::PathBuf;
 use anyhow::Context;
 use omnirig_transports::TcpConfig;
 
-use crate::bench::{self, parse_sizes, peer, transfer};
+use crate::bench::{self, hop, parse_sizes, peer, transfer};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum BenchCmd {
     /// Write/read latency and bandwidth per size against the physical baseline
     /// (memcpy for loopback, a plain TCP socket between two processes for tcp).
     Transfer(TransferArgs),
+    /// One hop's real payloads (a scenario's requests): omnirig tensor-native, every control
+    /// message included, against the current path (pickle / pickle protocol 5 out-of-band over
+    /// ZMQ, ci/baseline/pickle_hop.py), between two processes on 127.0.0.1.
+    Hop(HopArgs),
     /// (internal) The far side of a two-process benchmark.
     #[command(hide = true)]
     Peer(PeerArgs),
+    /// (internal) The consumer stage of `bench hop`.
+    #[command(hide = true)]
+    HopPeer(HopPeerArgs),
+}
+
+/// What the hop and pipeline suites share.
+#[derive(clap::Args, Debug)]
+pub struct CommonArgs {
+    /// Scenario YAML whose requests give the payloads (default: the embedded default scenario).
+    #[arg(long)]
+    pub scenario: Option<PathBuf>,
+    /// Python interpreter with numpy + pyzmq + xxhash (ci/baseline/setup.sh prints one).
+    #[arg(long, env = "OMNIRIG_BASELINE_PYTHON", default_value = "python3")]
+    pub python: PathBuf,
+    /// The baseline program (default: ci/baseline/pickle_hop.py of this checkout).
+    #[arg(long)]
+    pub script: Option<PathBuf>,
+    /// Payloads of at most this many bytes travel inline in the control message (no
+    /// reservation / grant round trip); 0 turns it off.
+    #[arg(long, default_value = "64K")]
+    pub inline_below: String,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct HopArgs {
+    /// ec, kv, thinker-talker, talker-code2wav.
+    #[arg(long)]
+    hop: String,
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Bytes to move per case and side (bounds iterations for large payloads).
+    #[arg(long, default_value = "2G")]
+    budget: String,
+    #[arg(long, default_value_t = 5)]
+    min_iters: usize,
+    #[arg(long, default_value_t = 400)]
+    max_iters: usize,
+    /// Interleaved rounds (omnirig, pickle, pickle5-oob in turn in each).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Also time the same protocol in one process over loopback.
+    #[arg(long)]
+    loopback: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct HopPeerArgs {
+    #[arg(long)]
+    pool_bytes: u64,
+    #[arg(long)]
+    slice_size: u64,
+    #[arg(long)]
+    busy_poll_us: u64,
+}
+
+impl CommonArgs {
+    pub fn scenario(&self) -> anyhow::Result<omnirig_harness::Scenario> {
+        Ok(match &self.scenario {
+            Some(p) => omnirig_harness::Scenario::from_path(p)?,
+            None => omnirig_harness::Scenario::default_scenario(),
+        })
+    }
+
+    pub fn script(&self) -> PathBuf {
+        self.script.clone().unwrap_or_else(hop::default_script)
+    }
+
+    pub fn inline_below(&self) -> anyhow::Result<u64> {
+        if self.inline_below.trim() == "0" {
+            return Ok(0);
+        }
+        one_size(&self.inline_below, "inline-below")
+    }
+}
+
+fn emit(
+    results: &bench::Results,
+    verdicts: Vec<String>,
+    json: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    print!("{}", results.table());
+    for v in verdicts {
+        println!("{v}");
+    }
+    if let Some(path) = json {
+        write_json(path, results)?;
+    }
+    Ok(())
 }
 
 #[derive(clap::Args, Debug)]
@@ -99,6 +194,31 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        BenchCmd::Hop(a) => {
+            let opts = hop::Options {
+                hop: hop::parse_hop(&a.hop)?,
+                scenario: a.common.scenario()?,
+                budget: one_size(&a.budget, "budget")?,
+                min_iters: a.min_iters.max(1),
+                max_iters: a.max_iters.max(a.min_iters.max(1)),
+                rounds: a.rounds.max(1),
+                inline_below: a.common.inline_below()?,
+                loopback: a.loopback,
+                python: a.common.python.clone(),
+                script: a.common.script(),
+                tcp: TcpConfig::default(),
+            };
+            let results = hop::run(&opts)?;
+            emit(&results, hop::verdicts(&results), a.common.json.as_deref())
+        }
+        BenchCmd::HopPeer(p) => hop::serve_peer(
+            p.pool_bytes,
+            TcpConfig {
+                slice_size: p.slice_size,
+                busy_poll: std::time::Duration::from_micros(p.busy_poll_us),
+                ..TcpConfig::default()
+            },
+        ),
         BenchCmd::Peer(p) => peer::serve(
             p.mode,
             p.max_size,

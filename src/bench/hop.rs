@@ -1,0 +1,908 @@
+//! `omnirig bench hop`: one pipeline hop with its real payloads, tensor-native (omnirig) against
+//! the current path (pickle over ZMQ, `ci/baseline/pickle_hop.py`), same bytes, same run.
+//!
+//! The omnirig side is a focused hop driver over the engine that follows the harness
+//! connectors' protocol message for message, on the harness's own control channel
+//! ([`omnirig_harness::control::Link`], framed msgpack over TCP) and pools:
+//!
+//! 1. producer -> consumer `Offer`;
+//! 2. consumer reserves pool space per tensor and grants it: `StageReserve` (one grant per
+//!    tensor; a KV layer's K or V run is one grant, as the KV connector's contiguous runs);
+//! 3. producer writes every tensor in one engine batch (one request per tensor);
+//! 4. producer -> consumer `Packet` (packet v1 sidecar, stage hops) or `Finish` (EC, KV);
+//! 5. consumer revokes the grants (the fence: the tensors are now usable), decodes the
+//!    sidecar, checks names, dtypes and shapes, and acks (`Finish` back).
+//!
+//! With `--inline-below N`, a hop whose payload is at most N bytes skips 1-3: the producer
+//! sends the sidecar and the tensor bytes in one control message and the consumer copies them
+//! into its pool (the small-payload cure; one round trip like the pickle path).
+//!
+//! The round trip is timed at the producer from `Offer` to the ack, the way the baseline is
+//! timed from `pickle.dumps` to its ack. The first round trip of every case and side is a
+//! warm-up whose bytes the consumer checks against the fixtures' XXH3-128 digests (the
+//! Python receiver does the same), so both sides prove they moved the right bytes.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use omnirig_fixtures::{
+    Digest128, ModelCard, Packet, PayloadKind, RequestSpec, TensorEntry, TensorSpec,
+    generate_tensor, packet::TransferKey, plan_request,
+};
+use omnirig_harness::Scenario;
+use omnirig_harness::control::{Link, Msg, NamedDigest, NamedGrant};
+use omnirig_harness::pool::{Lease, Pool};
+use omnirig_transports::{
+    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig,
+    TransportPolicy,
+};
+use serde::{Deserialize, Serialize};
+
+use super::{Results, Row, Samples, human_size, iterations};
+
+pub const HOP_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn progress(msg: &str) {
+    eprintln!("[bench hop] {msg}");
+}
+
+/// Parses a hop name as the CLI spells it.
+pub fn parse_hop(s: &str) -> anyhow::Result<PayloadKind> {
+    Ok(match s {
+        "ec" | "encoder_embeddings" => PayloadKind::EncoderEmbeddings,
+        "kv" | "kv_cache" => PayloadKind::KvCache,
+        "thinker-talker" | "thinker_to_talker" => PayloadKind::ThinkerToTalker,
+        "talker-code2wav" | "talker_to_code2wav" => PayloadKind::TalkerToCode2wav,
+        other => bail!("unknown hop {other:?}: ec, kv, thinker-talker, talker-code2wav"),
+    })
+}
+
+pub fn hop_label(k: PayloadKind) -> &'static str {
+    match k {
+        PayloadKind::EncoderEmbeddings => "ec",
+        PayloadKind::KvCache => "kv",
+        PayloadKind::ThinkerToTalker => "thinker-talker",
+        PayloadKind::TalkerToCode2wav => "talker-code2wav",
+    }
+}
+
+// ---------------------------------------------------------------- payloads
+
+/// One hop of one request: its tensors (fixture bytes, at `offset` in the producer's source
+/// buffer) and their digests.
+#[derive(Debug, Clone)]
+pub struct HopPayload {
+    pub case: String,
+    pub kind: PayloadKind,
+    pub spec: RequestSpec,
+    pub tensors: Vec<(TensorSpec, u64, Digest128)>,
+    pub total: u64,
+}
+
+/// The distinct requests (by label) of a scenario that carry `kind`, planned.
+pub fn scenario_cases(
+    scenario: &Scenario,
+    kind: PayloadKind,
+) -> anyhow::Result<Vec<(String, RequestSpec, Vec<TensorSpec>)>> {
+    let mut seen = Vec::new();
+    let mut out = Vec::new();
+    for r in scenario.expand()? {
+        if seen.contains(&r.label) {
+            continue;
+        }
+        seen.push(r.label.clone());
+        if let Some(h) = r.plan.hop(kind) {
+            out.push((r.label.clone(), r.spec.clone(), h.tensors.clone()));
+        }
+    }
+    Ok(out)
+}
+
+/// Generates every case's tensors into one registered source buffer (8-byte aligned
+/// offsets) and returns the payloads; also writes `dir/<case>.bin` + a manifest entry for the
+/// Python baseline when `dir` is given.
+pub fn stage_payloads(
+    engine: &Engine,
+    kind: PayloadKind,
+    cases: &[(String, RequestSpec, Vec<TensorSpec>)],
+    dir: Option<&Path>,
+) -> anyhow::Result<(Buffer, Vec<HopPayload>, Vec<serde_json::Value>)> {
+    let total: u64 = cases
+        .iter()
+        .flat_map(|c| c.2.iter())
+        .map(|t| t.byte_length.next_multiple_of(64))
+        .sum();
+    let src = engine.allocate(total.max(4096))?;
+    let mut off = 0;
+    let mut payloads = Vec::new();
+    let mut manifest = Vec::new();
+    for (case, spec, tensors) in cases {
+        let mut p = HopPayload {
+            case: case.clone(),
+            kind,
+            spec: spec.clone(),
+            tensors: Vec::new(),
+            total: 0,
+        };
+        let mut blob = Vec::new();
+        let mut entries = Vec::new();
+        for t in tensors {
+            let bytes = generate_tensor(spec.seed, t);
+            let d = Digest128::of_bytes(&bytes);
+            src.write(off, &bytes)?;
+            if dir.is_some() {
+                entries.push(serde_json::json!({
+                    "name": t.name, "dtype": t.dtype.as_str(), "shape": t.shape,
+                    "offset": blob.len(), "len": t.byte_length, "digest": d.to_hex(),
+                }));
+                blob.extend_from_slice(&bytes);
+            }
+            p.tensors.push((t.clone(), off, d));
+            p.total += t.byte_length;
+            off += t.byte_length.next_multiple_of(64);
+        }
+        if let Some(dir) = dir {
+            let path = dir.join(format!("{}-{case}.bin", hop_label(kind)));
+            std::fs::write(&path, &blob).with_context(|| format!("writing {}", path.display()))?;
+            manifest.push(serde_json::json!({
+                "name": case, "payload": path, "tensors": entries,
+            }));
+        }
+        payloads.push(p);
+    }
+    Ok((src, payloads, manifest))
+}
+
+// ---------------------------------------------------------------- the omnirig hop
+
+/// The producer end of a hop.
+pub struct Producer {
+    pub engine: Arc<Engine>,
+    pub link: Link,
+    pub src: Buffer,
+    /// Payloads of at most this many bytes travel inline in the packet (0: never).
+    pub inline_below: u64,
+}
+
+fn hop_uses_packet(kind: PayloadKind) -> bool {
+    matches!(
+        kind,
+        PayloadKind::ThinkerToTalker | PayloadKind::TalkerToCode2wav
+    )
+}
+
+/// `Run` announces a request (and which hop of it) to the consumer, as the orchestrator does.
+pub fn announce(link: &Link, rid: &str, p: &HopPayload) -> anyhow::Result<()> {
+    link.send(Msg::Run {
+        request: format!("{}|{rid}", hop_label(p.kind)),
+        spec: p.spec.clone(),
+    })?;
+    Ok(())
+}
+
+/// The consumer forgets a request.
+pub fn retire(link: &Link, rid: &str) -> anyhow::Result<()> {
+    link.send(Msg::Refuse {
+        request: rid.into(),
+        cause: "done".into(),
+    })?;
+    link.forget(rid);
+    Ok(())
+}
+
+impl Producer {
+    /// One hop round trip: offer, reservation, write, packet/finish, ack.
+    pub async fn send(&self, rid: &str, p: &HopPayload) -> anyhow::Result<()> {
+        let link = &self.link;
+        if p.total <= self.inline_below {
+            // Inline: sidecar + bytes in one control message.
+            let mut body = Vec::with_capacity(p.total as usize + 512);
+            let entries = self.entries(p, None);
+            let sidecar = Packet::new(rid, p.kind, 0, true, entries).to_msgpack()?;
+            body.extend_from_slice(&(sidecar.len() as u32).to_be_bytes());
+            body.extend_from_slice(&sidecar);
+            for (t, off, _) in &p.tensors {
+                self.src
+                    .view(*off, t.byte_length, |b| body.extend_from_slice(b))?;
+            }
+            link.send(Msg::Packet {
+                request: rid.into(),
+                packet: body,
+            })?;
+        } else {
+            link.send(Msg::Offer {
+                request: rid.into(),
+            })?;
+            let grants = match link.recv(rid, HOP_TIMEOUT).await? {
+                Msg::StageReserve { grants, .. } => grants,
+                Msg::Refuse { cause, .. } => bail!("consumer refused: {cause}"),
+                other => bail!("unexpected {} from the consumer", other.name()),
+            };
+            let mut reqs = Vec::with_capacity(p.tensors.len());
+            let mut used = Vec::with_capacity(p.tensors.len());
+            for (t, off, _) in &p.tensors {
+                let g = grants
+                    .iter()
+                    .find(|g| g.tensor == t.name)
+                    .with_context(|| format!("no grant for {}", t.name))?;
+                reqs.push(Request::write(&self.src, *off, &g.grant, 0, t.byte_length));
+                used.push(g.grant.clone());
+            }
+            self.engine.transfer(reqs, Some(HOP_TIMEOUT)).await?;
+            let reply = if hop_uses_packet(p.kind) {
+                let sidecar =
+                    Packet::new(rid, p.kind, 0, true, self.entries(p, Some(&used))).to_msgpack()?;
+                Msg::Packet {
+                    request: rid.into(),
+                    packet: sidecar,
+                }
+            } else {
+                Msg::Finish {
+                    request: rid.into(),
+                    digests: p
+                        .tensors
+                        .iter()
+                        .map(|(t, _, d)| NamedDigest {
+                            tensor: t.name.clone(),
+                            digest: d.to_hex(),
+                        })
+                        .collect(),
+                }
+            };
+            link.send(reply)?;
+        }
+        match link.recv(rid, HOP_TIMEOUT).await? {
+            Msg::Finish { .. } => Ok(()),
+            Msg::Error { cause, failed, .. } => bail!("consumer: {cause} ({failed:?})"),
+            other => bail!("unexpected {} instead of the ack", other.name()),
+        }
+    }
+
+    fn entries(&self, p: &HopPayload, grants: Option<&[Grant]>) -> Vec<TensorEntry> {
+        p.tensors
+            .iter()
+            .enumerate()
+            .map(|(i, (t, _, d))| TensorEntry {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                byte_length: t.byte_length,
+                digest: *d,
+                transfer_key: grants.map(|g| {
+                    TransferKey::Text(format!("{}/{}@{}", g[i].segment, g[i].buffer, g[i].offset))
+                }),
+            })
+            .collect()
+    }
+}
+
+/// The consumer end: serves `Run` announcements on the orchestration key and each announced
+/// request on its own key, until `Shutdown` or the link closes.
+pub async fn serve_consumer(
+    engine: Arc<Engine>,
+    link: Link,
+    pool: Arc<Pool>,
+) -> anyhow::Result<()> {
+    let card = Arc::new(ModelCard::qwen3_omni());
+    let options = Scenario::default_scenario().shape_options();
+    let mut tasks = Vec::new();
+    let result = loop {
+        match link.recv("", Duration::from_secs(3600)).await {
+            Ok(Msg::Run { request, spec }) => {
+                let (hop, rid) = request.split_once('|').context("run key")?;
+                let kind = parse_hop(hop)?;
+                let plan = plan_request(&card, &spec, &options)?;
+                let tensors = plan.hop(kind).context("hop not in plan")?.tensors.clone();
+                let (e, l, p, rid) = (engine.clone(), link.clone(), pool.clone(), rid.to_string());
+                tasks.push(tokio::spawn(async move {
+                    if let Err(err) = consume(&e, &l, &p, &rid, kind, &tensors).await {
+                        tracing::warn!(%rid, "hop consumer: {err:#}");
+                    }
+                }));
+                tasks.retain(|t| !t.is_finished());
+            }
+            Ok(Msg::Shutdown) => break Ok(()),
+            Ok(other) => tracing::warn!("hop consumer: unexpected {}", other.name()),
+            Err(e) => break Err(anyhow::Error::from(e)),
+        }
+    };
+    for t in tasks {
+        t.abort();
+    }
+    result
+}
+
+/// Serves one request key: every offer (or inline packet) on it, until `Refuse` ("done").
+async fn consume(
+    engine: &Engine,
+    link: &Link,
+    pool: &Arc<Pool>,
+    rid: &str,
+    kind: PayloadKind,
+    tensors: &[TensorSpec],
+) -> anyhow::Result<()> {
+    let mut verified = false;
+    loop {
+        let msg = link.recv(rid, Duration::from_secs(3600)).await?;
+        let mut leases: Vec<Lease> = Vec::with_capacity(tensors.len());
+        let landed: Result<Packet, String> = match msg {
+            Msg::Refuse { .. } => {
+                link.forget(rid);
+                return Ok(());
+            }
+            Msg::Packet { packet, .. } => {
+                // Inline: sidecar length, sidecar, then the tensors' bytes in entry order.
+                async {
+                    let n =
+                        u32::from_be_bytes(packet[..4].try_into().map_err(|_| "short")?) as usize;
+                    let p = Packet::from_msgpack(&packet[4..4 + n]).map_err(|e| e.to_string())?;
+                    let mut at = 4 + n;
+                    for t in tensors {
+                        let lease = pool
+                            .reserve(t.byte_length, HOP_TIMEOUT)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        let end = at + t.byte_length as usize;
+                        let bytes = packet.get(at..end).ok_or("inline bytes short")?;
+                        pool.buffer
+                            .write(lease.offset, bytes)
+                            .map_err(|e| e.to_string())?;
+                        at = end;
+                        leases.push(lease);
+                    }
+                    Ok(p)
+                }
+                .await
+            }
+            Msg::Offer { .. } => {
+                let mut grants = Vec::with_capacity(tensors.len());
+                for t in tensors {
+                    let lease = pool.reserve(t.byte_length, HOP_TIMEOUT).await?;
+                    let g =
+                        engine.grant(&pool.buffer, lease.offset, t.byte_length, Access::Write)?;
+                    grants.push(NamedGrant {
+                        tensor: t.name.clone(),
+                        grant: g,
+                    });
+                    leases.push(lease);
+                }
+                link.send(Msg::StageReserve {
+                    request: rid.into(),
+                    grants: grants.clone(),
+                })?;
+                let reply = link.recv(rid, HOP_TIMEOUT).await;
+                // The fence: no byte may land after this.
+                for g in &grants {
+                    engine.revoke(&g.grant);
+                }
+                match reply? {
+                    Msg::Packet { packet, .. } => {
+                        Packet::from_msgpack(&packet).map_err(|e| e.to_string())
+                    }
+                    Msg::Finish { digests, .. } => {
+                        // EC / KV FINISH: digests per tensor; build the same view.
+                        let entries = tensors
+                            .iter()
+                            .map(|t| {
+                                let d = digests
+                                    .iter()
+                                    .find(|d| d.tensor == t.name)
+                                    .and_then(|d| Digest128::from_hex(&d.digest, "digest").ok())
+                                    .unwrap_or(Digest128(0));
+                                TensorEntry {
+                                    name: t.name.clone(),
+                                    dtype: t.dtype,
+                                    shape: t.shape.clone(),
+                                    byte_length: t.byte_length,
+                                    digest: d,
+                                    transfer_key: None,
+                                }
+                            })
+                            .collect();
+                        Ok(Packet::new(rid, kind, 0, true, entries))
+                    }
+                    other => Err(format!("unexpected {}", other.name())),
+                }
+            }
+            other => Err(format!("unexpected {}", other.name())),
+        };
+        let checked = landed.and_then(|p| {
+            for (t, lease) in tensors.iter().zip(&leases) {
+                let e = p.entry(&t.name).ok_or(format!("{} missing", t.name))?;
+                if e.dtype != t.dtype || e.shape != t.shape {
+                    return Err(format!("{}: {} {:?}", t.name, e.dtype, e.shape));
+                }
+                // Bytes checked once per request key (the warm-up), as the baseline does.
+                if !verified {
+                    let d = pool
+                        .buffer
+                        .view(lease.offset, t.byte_length, Digest128::of_bytes)
+                        .map_err(|e| e.to_string())?;
+                    if d != e.digest {
+                        return Err(format!("{}: landed bytes differ from the digest", t.name));
+                    }
+                }
+            }
+            Ok(())
+        });
+        drop(leases);
+        match checked {
+            Ok(()) => {
+                verified = true;
+                link.send(Msg::Finish {
+                    request: rid.into(),
+                    digests: vec![],
+                })?
+            }
+            Err(cause) => link.send(Msg::Error {
+                request: rid.into(),
+                failed: vec![],
+                cause,
+            })?,
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the consumer process
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PeerHello {
+    pub engine: SocketAddr,
+    pub control: SocketAddr,
+}
+
+/// `omnirig bench hop-peer`: a consumer stage in its own process (engine over tcp, control
+/// channel over tcp); exits when stdin closes or on `Shutdown`.
+pub fn serve_peer(pool_bytes: u64, tcp: TcpConfig) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let engine = Arc::new(
+            Engine::new(
+                EngineConfig::new(format!("hop-consumer-{}", std::process::id()))
+                    .store(InProcessStore::new())
+                    .tcp_config(tcp),
+            )
+            .await?,
+        );
+        let pool = Pool::new(&engine, "bench.in", pool_bytes)?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let hello = PeerHello {
+            engine: engine.tcp_addr().context("engine has no tcp endpoint")?,
+            control: listener.local_addr()?,
+        };
+        println!("{}", serde_json::to_string(&hello)?);
+        std::thread::spawn(|| {
+            let mut sink = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin().lock(), &mut sink);
+            std::process::exit(0);
+        });
+        let (stream, _) = listener.accept().await?;
+        let link = Link::tcp("hop", stream);
+        serve_consumer(engine, link, pool).await
+    })
+}
+
+/// A consumer process; killed when dropped.
+pub struct ConsumerProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    pub hello: PeerHello,
+}
+
+impl ConsumerProcess {
+    pub fn spawn(pool_bytes: u64, tcp: &TcpConfig) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("locating the omnirig binary")?;
+        let mut child = Command::new(exe)
+            .args(["bench", "hop-peer", "--pool-bytes", &pool_bytes.to_string()])
+            .args(["--slice-size", &tcp.slice_size.to_string()])
+            .args(["--busy-poll-us", &tcp.busy_poll.as_micros().to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting the hop consumer process")?;
+        let stdin = child.stdin.take();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().context("peer stdout")?).read_line(&mut line)?;
+        if line.is_empty() {
+            bail!("the hop consumer exited before announcing itself");
+        }
+        let hello = serde_json::from_str(&line).with_context(|| format!("peer said {line:?}"))?;
+        Ok(Self {
+            child,
+            stdin,
+            hello,
+        })
+    }
+}
+
+impl Drop for ConsumerProcess {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        if matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(50));
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+pub fn engine_config(name: &str, transport: &'static str, tcp: &TcpConfig) -> EngineConfig {
+    EngineConfig::new(name)
+        .store(InProcessStore::new())
+        .policy(TransportPolicy::Only(transport))
+        .tcp_config(tcp.clone())
+}
+
+/// A producer connected to a consumer process over tcp (engine and control channel).
+pub async fn connect_producer(
+    peer: &PeerHello,
+    src_engine: Arc<Engine>,
+    src: Buffer,
+    inline_below: u64,
+) -> anyhow::Result<Producer> {
+    src_engine.connect_addr(peer.engine).await?;
+    let stream = tokio::net::TcpStream::connect(peer.control).await?;
+    Ok(Producer {
+        engine: src_engine,
+        link: Link::tcp("hop", stream),
+        src,
+        inline_below,
+    })
+}
+
+// ---------------------------------------------------------------- the Python baseline
+
+/// The current path: `ci/baseline/pickle_hop.py` driving its own receiver process.
+pub struct Python {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Python {
+    pub fn spawn(python: &Path, script: &Path) -> anyhow::Result<Self> {
+        let mut child = Command::new(python)
+            .arg(script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| {
+                format!(
+                    "starting {} {} (install the baseline with ci/baseline/setup.sh)",
+                    python.display(),
+                    script.display()
+                )
+            })?;
+        Ok(Self {
+            stdin: child.stdin.take().context("python stdin")?,
+            stdout: BufReader::new(child.stdout.take().context("python stdout")?),
+            child,
+        })
+    }
+
+    pub fn call(&mut self, cmd: serde_json::Value) -> anyhow::Result<serde_json::Value> {
+        writeln!(self.stdin, "{cmd}")?;
+        self.stdin.flush()?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        if line.is_empty() {
+            bail!("the Python baseline exited (see its error above)");
+        }
+        let v: serde_json::Value = serde_json::from_str(&line)?;
+        if v["ok"] != true {
+            bail!("Python baseline: {}", v["error"]);
+        }
+        Ok(v)
+    }
+
+    /// `iters` timed round trips (after `warmup`) of case `case` in `mode`.
+    pub fn hop(
+        &mut self,
+        case: usize,
+        mode: &str,
+        iters: usize,
+        warmup: usize,
+        bytes: u64,
+    ) -> anyhow::Result<(Samples, bool)> {
+        let v = self.call(serde_json::json!({
+            "cmd": "hop", "case": case, "mode": mode, "iters": iters, "warmup": warmup,
+        }))?;
+        let mut s = Samples::new(bytes);
+        for x in v["lat_us"].as_array().context("lat_us")? {
+            s.push(Duration::from_secs_f64(x.as_f64().unwrap_or(0.0) / 1e6));
+        }
+        Ok((s, v["verified"] == true))
+    }
+}
+
+impl Drop for Python {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{{\"cmd\": \"quit\"}}");
+        let _ = self.stdin.flush();
+        for _ in 0..100 {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Where the baseline script is: next to the repository's `ci/`, found from the current
+/// directory or the binary's location.
+pub fn default_script() -> PathBuf {
+    let rel = Path::new("ci/baseline/pickle_hop.py");
+    if rel.exists() {
+        return rel.to_path_buf();
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    for dir in exe.ancestors() {
+        if dir.join(rel).exists() {
+            return dir.join(rel);
+        }
+    }
+    rel.to_path_buf()
+}
+
+/// A scratch directory for the baseline's payload files, removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(what: &str) -> anyhow::Result<Self> {
+        let d = std::env::temp_dir().join(format!("omnirig-{what}-{}", std::process::id()));
+        std::fs::create_dir_all(&d)?;
+        Ok(Self(d))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+// ---------------------------------------------------------------- the suite
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub hop: PayloadKind,
+    pub scenario: Scenario,
+    pub budget: u64,
+    pub min_iters: usize,
+    pub max_iters: usize,
+    /// Interleaved rounds: every round times omnirig, pickle and pickle5-oob in turn.
+    pub rounds: usize,
+    pub inline_below: u64,
+    pub loopback: bool,
+    pub python: PathBuf,
+    pub script: PathBuf,
+    pub tcp: TcpConfig,
+}
+
+pub fn run(o: &Options) -> anyhow::Result<Results> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let rows = rt.block_on(suite(o))?;
+    Ok(Results {
+        suite: "hop".into(),
+        transport: "tcp".into(),
+        rows,
+    })
+}
+
+async fn timed(
+    prod: &Producer,
+    rid: &str,
+    p: &HopPayload,
+    n: usize,
+    s: &mut Samples,
+) -> anyhow::Result<()> {
+    for _ in 0..n {
+        let t = Instant::now();
+        prod.send(rid, p).await?;
+        s.push(t.elapsed());
+    }
+    Ok(())
+}
+
+async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
+    let kind = o.hop;
+    let cases = scenario_cases(&o.scenario, kind)?;
+    if cases.is_empty() {
+        bail!(
+            "no request of scenario {} carries the {} hop",
+            o.scenario.name,
+            kind.as_str()
+        );
+    }
+    let scratch = Scratch::new("bench-hop")?;
+    let src_engine = Arc::new(Engine::new(engine_config("hop-producer", "tcp", &o.tcp)).await?);
+    progress(&format!(
+        "generating {} payloads of {} case(s)",
+        kind.as_str(),
+        cases.len()
+    ));
+    let (src, payloads, manifest) = stage_payloads(&src_engine, kind, &cases, Some(&scratch.0))?;
+    let max = payloads.iter().map(|p| p.total).max().unwrap_or(0);
+    let manifest_path = scratch.0.join("manifest.json");
+    std::fs::write(
+        &manifest_path,
+        serde_json::json!({ "cases": manifest }).to_string(),
+    )?;
+
+    progress("starting the consumer process and the Python baseline");
+    let peer = ConsumerProcess::spawn(2 * max + (1 << 20), &o.tcp)?;
+    let prod =
+        connect_producer(&peer.hello, src_engine.clone(), src.clone(), o.inline_below).await?;
+    let mut py = Python::spawn(&o.python, &o.script)?;
+    let loaded = py.call(serde_json::json!({"cmd": "load", "manifest": manifest_path}))?;
+    if loaded["xxhash"] != true {
+        progress("WARNING: the Python side has no xxhash; its digest check is skipped");
+    }
+    // Loopback in one process: the same protocol over in-process queues and memcpy.
+    let lb = if o.loopback {
+        let store = InProcessStore::new();
+        let cfg = |n: &str| {
+            EngineConfig::new(n)
+                .store(store.clone())
+                .policy(TransportPolicy::Only("loopback"))
+                .tcp_listen(None)
+        };
+        let a = Arc::new(Engine::new(cfg("hop-lb-producer")).await?);
+        let b = Arc::new(Engine::new(cfg("hop-lb-consumer")).await?);
+        let (lsrc, lp, _) = stage_payloads(&a, kind, &cases, None)?;
+        let pool = Pool::new(&b, "bench.lb", 2 * max + (1 << 20))?;
+        let (pl, cl) = Link::pair("hop-lb");
+        let task = tokio::spawn(serve_consumer(b, cl, pool));
+        Some((
+            Producer {
+                engine: a,
+                link: pl,
+                src: lsrc,
+                inline_below: o.inline_below,
+            },
+            lp,
+            task,
+        ))
+    } else {
+        None
+    };
+
+    let mut rows = Vec::new();
+    for (ci, p) in payloads.iter().enumerate() {
+        let iters = iterations(p.total, o.budget, o.min_iters, o.max_iters);
+        let rounds = o.rounds.clamp(1, iters);
+        let per = iters.div_ceil(rounds);
+        progress(&format!(
+            "{} {} ({}, {} tensors) x {}",
+            kind.as_str(),
+            p.case,
+            human_size(p.total),
+            p.tensors.len(),
+            per * rounds
+        ));
+        let rid = format!("hop-{ci}");
+        announce(&prod.link, &rid, p)?;
+        let warm = 3.min(per).max(1);
+        let mut ours = Samples::new(p.total);
+        let mut pk = Samples::new(p.total);
+        let mut p5 = Samples::new(p.total);
+        let mut lbs = Samples::new(p.total);
+        // Warm-ups, the first of which the consumer checks byte for byte.
+        timed(&prod, &rid, p, warm, &mut Samples::new(0)).await?;
+        if let Some((lprod, lp, _)) = &lb {
+            announce(&lprod.link, &rid, &lp[ci])?;
+            timed(lprod, &rid, &lp[ci], warm, &mut Samples::new(0)).await?;
+        }
+        let mut verified = true;
+        for r in 0..rounds {
+            let w = if r == 0 { warm } else { 1 };
+            let (s, v) = py.hop(ci, "pickle", per, w, p.total)?;
+            pk.lat.extend(s.lat);
+            verified &= v;
+            timed(&prod, &rid, p, per, &mut ours).await?;
+            let (s, v) = py.hop(ci, "pickle5-oob", per, w, p.total)?;
+            p5.lat.extend(s.lat);
+            verified &= v;
+            if let Some((lprod, lp, _)) = &lb {
+                timed(lprod, &rid, &lp[ci], per, &mut lbs).await?;
+            }
+        }
+        retire(&prod.link, &rid)?;
+        if let Some((lprod, _, _)) = &lb {
+            retire(&lprod.link, &rid)?;
+        }
+        if !verified {
+            progress("WARNING: the Python side did not verify digests");
+        }
+        let inline = p.total <= o.inline_below;
+        let op = if inline { "hop-tcp-inline" } else { "hop-tcp" };
+        for (name, b) in [("pickle", &pk), ("pickle5-oob", &p5)] {
+            let mut row = Row::new(op, p.total, &ours, name, b);
+            row.case = Some(p.case.clone());
+            row.hop = Some(hop_label(kind).into());
+            row.attach_samples(&ours, b);
+            rows.push(row);
+        }
+        if lb.is_some() {
+            let lop = if inline {
+                "hop-loopback-inline"
+            } else {
+                "hop-loopback"
+            };
+            for (name, b) in [("pickle", &pk), ("pickle5-oob", &p5)] {
+                let mut row = Row::new(lop, p.total, &lbs, name, b);
+                row.case = Some(p.case.clone());
+                row.hop = Some(hop_label(kind).into());
+                rows.push(row);
+            }
+        }
+    }
+    prod.link.send(Msg::Shutdown)?;
+    if let Some((lprod, _, task)) = lb {
+        lprod.link.send(Msg::Shutdown)?;
+        let _ = task.await;
+    }
+    drop(py);
+    drop(peer);
+    Ok(rows)
+}
+
+/// The targets for this hop, checked against this run's ratios (printed, never asserted).
+pub fn verdicts(r: &Results) -> Vec<String> {
+    let mut out = Vec::new();
+    let tcp = |base: &'static str| {
+        r.rows
+            .iter()
+            .filter(move |x| x.op.starts_with("hop-tcp") && x.baseline.name == base)
+    };
+    let hop = r
+        .rows
+        .first()
+        .and_then(|x| x.hop.clone())
+        .unwrap_or_default();
+    let targets: &[(&str, f64)] = match hop.as_str() {
+        "thinker-talker" => &[("pickle", 5.0)],
+        "talker-code2wav" => &[("pickle", 3.0)],
+        "kv" => &[("pickle", 3.0), ("pickle5-oob", 1.0)],
+        _ => &[],
+    };
+    for &(base, need) in targets {
+        if let Some(min) = tcp(base).min_by(|a, b| a.ratio.total_cmp(&b.ratio)) {
+            out.push(format!(
+                "{hop} >= {need}x {base} (hop round trip, every control message, tcp): {} (lowest {:.2}x: {} {}, {:.1} us vs {:.1} us p50)",
+                if min.ratio >= need { "met" } else { "MISSED" },
+                min.ratio,
+                min.case.as_deref().unwrap_or("?"),
+                human_size(min.size),
+                min.omnirig.p50_us,
+                min.baseline.p50_us,
+            ));
+        }
+    }
+    if targets.is_empty() {
+        for base in ["pickle", "pickle5-oob"] {
+            if let Some(min) = tcp(base).min_by(|a, b| a.ratio.total_cmp(&b.ratio)) {
+                out.push(format!(
+                    "{hop} vs {base} (no target): lowest {:.2}x ({} {})",
+                    min.ratio,
+                    min.case.as_deref().unwrap_or("?"),
+                    human_size(min.size)
+                ));
+            }
+        }
+    }
+    out
+}

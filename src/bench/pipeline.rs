@@ -1,0 +1,1 @@
+//! `omnirig bench pipeline` (filled in below).
