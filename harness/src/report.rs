@@ -24,7 +24,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use std::sync::Arc;
+
+use omnirig_transports::{ErrorKind, FaultInjector};
+
 use crate::error::Result;
+use crate::faults::{CompiledFaults, FaultTarget, fault_tag};
 use crate::stage::{StageOutcome, StageUsage};
 
 pub const REPORT_VERSION: u32 = 1;
@@ -41,6 +46,176 @@ pub struct Report {
     pub hops: Vec<HopSummary>,
     pub requests: Vec<RequestResult>,
     pub stages: Vec<StageUsage>,
+    /// Present when the scenario injected faults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub faults: Option<FaultReport>,
+}
+
+/// A request's first error, classified for reports and assertions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    pub hop: Option<String>,
+    pub tensor: Option<String>,
+    /// `timed_out`, `peer_disconnected`, `unreachable`, `io`, `corrupt` (bytes or digest
+    /// differ from what the producer made), `grant_refused` (revoked, unknown or out of
+    /// bounds), `pool_exhausted`, `bad_sidecar`, `refused` (the consumer refused),
+    /// `metadata`, or `other`.
+    pub kind: String,
+}
+
+impl Failure {
+    /// Classifies an error as the harness words it: `hop H, request R[, tensor T]: cause`.
+    /// The cause's own wording is the engine's error kind (`timed out: ...`) or the stub's
+    /// check (`... digest ... differs`), so its first recognised phrase decides.
+    pub fn of(error: &str) -> Failure {
+        let (head, cause) = error.split_once(": ").unwrap_or(("", error));
+        let field = |name: &str| {
+            head.split(", ")
+                .find_map(|p| p.strip_prefix(name))
+                .map(|v| v.split(" blocks ").next().unwrap_or(v).to_string())
+        };
+        // The innermost cause is what happened; the chain in front of it is who passed it on.
+        let root = cause
+            .rsplit("producer reported ERROR: ")
+            .next()
+            .unwrap_or(cause);
+        let kinds: [(&str, &[&str]); 11] = [
+            (
+                "bad_sidecar",
+                &[
+                    "packet refused",
+                    "packet is for",
+                    "missing from the packet",
+                    "packet says",
+                ],
+            ),
+            (
+                "corrupt",
+                &[
+                    "does not match",
+                    "differs from the expected",
+                    "first differing byte",
+                    "bytes arrived",
+                    "differ from the packet",
+                    "digest missing or different",
+                ],
+            ),
+            ("timed_out", &["timed out", "no offer", "no reply"]),
+            ("peer_disconnected", &["peer disconnected"]),
+            ("unreachable", &["peer unreachable", "unknown segment"]),
+            (
+                "grant_refused",
+                &[
+                    "grant revoked",
+                    "unknown grant",
+                    "range outside grant",
+                    "grant token",
+                ],
+            ),
+            ("pool_exhausted", &["pool "]),
+            ("metadata", &["metadata store"]),
+            ("io", &["i/o error"]),
+            ("refused", &["refused"]),
+            ("other", &[""]),
+        ];
+        let kind = kinds
+            .iter()
+            .find(|(_, needles)| needles.iter().any(|n| root.contains(n)))
+            .map_or("other", |(k, _)| k);
+        Failure {
+            hop: field("hop "),
+            tensor: field("tensor "),
+            kind: kind.into(),
+        }
+    }
+}
+
+/// What the scenario's faults did: where they were aimed, where they struck, and how every
+/// byte they held back (late writes, data behind early completions) ended when released
+/// after the run. Every `late[].refused` must be true: the grant was revoked by then.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FaultReport {
+    pub targets: Vec<FaultTarget>,
+    pub fired: Vec<FiredFault>,
+    pub late: Vec<LateBytes>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FiredFault {
+    pub hop: String,
+    pub request: String,
+    pub tensor: String,
+    pub kind: String,
+    /// Byte of the engine request (tensor, or KV run) where it struck.
+    pub at_byte: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LateBytes {
+    pub hop: String,
+    pub request: String,
+    pub tensor: String,
+    /// Refused by the receiver (grant revoked or gone): nothing landed.
+    pub refused: bool,
+    pub outcome: String,
+}
+
+impl FaultReport {
+    pub(crate) async fn collect(
+        faults: &CompiledFaults,
+        injectors: &[(&'static str, Arc<FaultInjector>)],
+    ) -> Self {
+        let by_tag: BTreeMap<u64, &FaultTarget> = faults
+            .targets
+            .iter()
+            .map(|t| (fault_tag(&t.request, &t.tensor), t))
+            .collect();
+        let name = |tag: u64| {
+            by_tag
+                .get(&tag)
+                .map(|t| (t.request.clone(), t.tensor.clone()))
+                .unwrap_or_else(|| (format!("tag {tag:#x}"), String::new()))
+        };
+        let mut out = FaultReport {
+            targets: faults.targets.clone(),
+            ..Default::default()
+        };
+        for (hop, inj) in injectors {
+            for f in inj.fired() {
+                let (request, tensor) = name(f.tag);
+                out.fired.push(FiredFault {
+                    hop: hop.to_string(),
+                    request,
+                    tensor,
+                    kind: f.kind.name().into(),
+                    at_byte: f.at_byte,
+                });
+            }
+            for (tag, r) in inj.release_held().await {
+                let (request, tensor) = name(tag);
+                let refused = r.as_ref().is_err_and(|e| {
+                    matches!(
+                        e.kind(),
+                        ErrorKind::GrantRevoked
+                            | ErrorKind::UnknownGrant
+                            | ErrorKind::PeerDisconnected
+                    )
+                });
+                let outcome = match r {
+                    Ok(()) => "landed".to_string(),
+                    Err(e) => e.to_string(),
+                };
+                out.late.push(LateBytes {
+                    hop: hop.to_string(),
+                    request,
+                    tensor,
+                    refused,
+                    outcome,
+                });
+            }
+        }
+        out
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -77,6 +252,9 @@ pub struct RequestResult {
     pub label: String,
     pub ok: bool,
     pub error: Option<String>,
+    /// `error`, classified: which hop and tensor, and what kind of failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<Failure>,
     /// Every failing stage's error, `stage: error`, pipeline order (consequences included).
     pub errors: Vec<String>,
     pub e2e_ms: f64,

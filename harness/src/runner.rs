@@ -10,12 +10,12 @@ use std::time::Instant;
 
 use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
 use omnirig_transports::{
-    Engine, EngineConfig, InProcessStore, TransportDecorator, TransportPolicy,
+    Engine, EngineConfig, FaultInjector, InProcessStore, TransportDecorator, TransportPolicy,
 };
 
 use crate::control::Link;
-use crate::error::Result;
-use crate::report::{HopResult, REPORT_VERSION, Report, RequestResult, gbps};
+use crate::error::{HarnessError, Result};
+use crate::report::{Failure, FaultReport, HopResult, REPORT_VERSION, Report, RequestResult, gbps};
 use crate::scenario::{PlannedRequest, Scenario};
 use crate::stage::{HopEnd, StageOutcome, StageUsage, StageWorker, inbound_kind, outbound_kind};
 
@@ -160,10 +160,29 @@ impl Runner {
     pub async fn run(&self) -> Result<Report> {
         let requests = self.scenario.expand()?;
         let plans: Vec<&RequestPlan> = requests.iter().map(|r| &r.plan).collect();
+        let faults = self.scenario.compile_faults(&requests)?;
+        if !faults.is_empty() && self.processes.is_some() {
+            return Err(HarnessError::Setup(
+                "fault plans run in-process only; drop --processes or the scenario's faults".into(),
+            ));
+        }
+        // Fault injectors sit under any caller-supplied decorator of the same hop.
+        let mut decorators = self.decorators.clone();
+        let mut injectors = Vec::new();
+        for (&hop, rules) in &faults.rules {
+            let inj = FaultInjector::new(rules.clone());
+            let inner = inj.decorator();
+            let d: TransportDecorator = match decorators.remove(hop) {
+                Some(outer) => Arc::new(move |t| outer(inner(t))),
+                None => inner,
+            };
+            decorators.insert(hop, d);
+            injectors.push((hop, inj));
+        }
         let (stages, mode) = match &self.processes {
             None => (
                 Stages::Local(Arc::new(
-                    local_stages(&self.scenario, &plans, &self.decorators).await?,
+                    local_stages(&self.scenario, &plans, &decorators).await?,
                 )),
                 "in_process",
             ),
@@ -178,6 +197,13 @@ impl Runner {
         let t0 = Instant::now();
         let results = self.drive(&stages, &requests).await;
         let wall_s = t0.elapsed().as_secs_f64();
+        // Bytes the faults held back go now, after every request ended and every grant was
+        // revoked: each must be refused.
+        let fault_report = if faults.is_empty() {
+            None
+        } else {
+            Some(FaultReport::collect(&faults, &injectors).await)
+        };
         let usage = stages.drain().await;
         let mut transports = BTreeMap::new();
         for k in PayloadKind::ALL {
@@ -199,6 +225,7 @@ impl Runner {
             hops: vec![],
             requests: results,
             stages: usage,
+            faults: fault_report,
         };
         report.summarise();
         Ok(report)
@@ -284,6 +311,7 @@ pub fn request_result(r: &PlannedRequest, stages: Vec<StageOutcome>, e2e_ms: f64
         id: r.id.clone(),
         label: r.label.clone(),
         ok: error.is_none(),
+        failure: error.as_deref().map(Failure::of),
         error,
         errors,
         e2e_ms,

@@ -32,6 +32,7 @@ use omnirig_model_stubs::ComputeTime;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{HarnessError, Result};
+use crate::faults::{CompiledFaults, FaultSpec, RandomFaults};
 use crate::pool::align_up;
 use crate::stage::{PoolSizes, StageConfig};
 
@@ -99,6 +100,12 @@ pub struct Scenario {
     #[serde(default = "six_hundred")]
     pub request_timeout_s: f64,
     pub requests: Vec<RequestEntry>,
+    /// Scripted faults (see [`crate::faults`]); in-process runs only.
+    #[serde(default)]
+    pub faults: Vec<FaultSpec>,
+    /// Faults on a seeded random fraction of the requests.
+    #[serde(default)]
+    pub random_faults: Option<RandomFaults>,
 }
 
 /// When requests start. `closed`: as soon as fewer than `concurrency` are in
@@ -248,6 +255,8 @@ impl Scenario {
                 request: None,
                 repeat: 1,
             }],
+            faults: vec![],
+            random_faults: None,
         }
     }
 
@@ -304,8 +313,15 @@ impl Scenario {
                 ));
             }
         }
-        self.expand().map_err(|e| bad(source, e.to_string()))?;
+        let requests = self.expand().map_err(|e| bad(source, e.to_string()))?;
+        self.compile_faults(&requests)
+            .map_err(|e| bad(source, e.to_string()))?;
         Ok(())
+    }
+
+    /// The scenario's faults, compiled against its requests.
+    pub fn compile_faults(&self, requests: &[PlannedRequest]) -> Result<CompiledFaults> {
+        crate::faults::compile(&self.faults, self.random_faults.as_ref(), requests)
     }
 
     pub fn transport_for(&self, kind: PayloadKind) -> Result<&'static str> {

@@ -23,6 +23,7 @@ use tokio::sync::Notify;
 use crate::control::{Link, Msg, NamedDigest, NamedGrant};
 use crate::ec::{EcAcquire, EcSlot, EncoderCache};
 use crate::error::{HarnessError, Result};
+use crate::faults::fault_tag;
 use crate::kv::{
     BlockPool, KvGeometry, KvGrant, KvReservation, block_hash, contiguous_runs, plan_kv_writes,
 };
@@ -1084,7 +1085,10 @@ impl StageWorker {
                     let (lease, len, d) = self
                         .stage_tensor(pool, plan, hop, rid, &s.tensor, &g)
                         .await?;
-                    requests.push(Request::write(&pool.buffer, lease.offset, &g, 0, len));
+                    requests.push(
+                        Request::write(&pool.buffer, lease.offset, &g, 0, len)
+                            .tagged(fault_tag(rid, &s.tensor)),
+                    );
                     names.push(s.tensor.clone());
                     staged.push((s.tensor, d, g));
                     sent.bytes += len;
@@ -1101,7 +1105,10 @@ impl StageWorker {
                     let (lease, len, d) = self
                         .stage_tensor(pool, plan, hop, rid, &t.name, &g.grant)
                         .await?;
-                    requests.push(Request::write(&pool.buffer, lease.offset, &g.grant, 0, len));
+                    requests.push(
+                        Request::write(&pool.buffer, lease.offset, &g.grant, 0, len)
+                            .tagged(fault_tag(rid, &t.name)),
+                    );
                     names.push(t.name.clone());
                     staged.push((t.name.clone(), d, g.grant.clone()));
                     sent.bytes += len;
@@ -1116,20 +1123,23 @@ impl StageWorker {
                     .map_err(|e| (vec![], hop_err(None, &format!("bad reservation: {e}"))))?;
                 for w in writes {
                     let len = u64::from(w.run.len) * bb;
-                    requests.push(Request::write(
-                        &kv.buffer,
-                        kv.geo.offset(w.layer, w.v, w.run.src),
-                        &reservation.grants[w.grant].grant,
-                        w.grant_offset,
-                        len,
-                    ));
+                    let tensor = if w.v {
+                        KvLayout::v_name(w.layer)
+                    } else {
+                        KvLayout::k_name(w.layer)
+                    };
+                    requests.push(
+                        Request::write(
+                            &kv.buffer,
+                            kv.geo.offset(w.layer, w.v, w.run.src),
+                            &reservation.grants[w.grant].grant,
+                            w.grant_offset,
+                            len,
+                        )
+                        .tagged(fault_tag(rid, &tensor)),
+                    );
                     names.push(format!(
-                        "{} blocks {}..{}",
-                        if w.v {
-                            KvLayout::v_name(w.layer)
-                        } else {
-                            KvLayout::k_name(w.layer)
-                        },
+                        "{tensor} blocks {}..{}",
                         w.run.logical,
                         w.run.logical + w.run.len
                     ));

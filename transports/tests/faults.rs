@@ -234,7 +234,8 @@ async fn held_bytes_that_arrive_after_revoke_never_land(
     assert!(r.b.revoke(&g));
     let outcomes = r.faults.release_held().await;
     assert_eq!(outcomes.len(), 1);
-    let e = outcomes[0].as_ref().unwrap_err();
+    assert_eq!(outcomes[0].0, TAG);
+    let e = outcomes[0].1.as_ref().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
     let got = r.landed();
     assert!(

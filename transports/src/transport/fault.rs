@@ -140,8 +140,7 @@ pub struct FaultInjector {
     fired: Mutex<Vec<Fired>>,
     held: Mutex<Vec<Held>>,
     held_changed: Notify,
-    outcomes: Mutex<Vec<Result<()>>>,
-    outcomes_changed: Notify,
+    outcomes: Mutex<Vec<(u64, Result<()>)>>,
 }
 
 impl FaultInjector {
@@ -152,7 +151,6 @@ impl FaultInjector {
             held: Mutex::default(),
             held_changed: Notify::new(),
             outcomes: Mutex::default(),
-            outcomes_changed: Notify::new(),
         })
     }
 
@@ -190,22 +188,22 @@ impl FaultInjector {
         }
     }
 
-    /// Sends every held slice now and records how each ended (see [`released`](Self::released)).
-    /// A late write must end refused: its grant was revoked.
-    pub async fn release_held(&self) -> Vec<Result<()>> {
+    /// Sends every held slice now and returns how each ended, with its request's tag. A late
+    /// write must end refused: its grant was revoked.
+    pub async fn release_held(&self) -> Vec<(u64, Result<()>)> {
         let held: Vec<Held> = std::mem::take(&mut *lock(&self.held));
         let mut out = Vec::new();
         for h in held {
+            let tag = h.op.tag;
             let r = h.link.execute(h.op).await;
-            out.push(r.clone());
-            lock(&self.outcomes).push(r);
-            self.outcomes_changed.notify_waiters();
+            lock(&self.outcomes).push((tag, r.clone()));
+            out.push((tag, r));
         }
         out
     }
 
-    /// How every released slice ended, in release order.
-    pub fn released(&self) -> Vec<Result<()>> {
+    /// How every released slice ended, in release order, with its request's tag.
+    pub fn released(&self) -> Vec<(u64, Result<()>)> {
         lock(&self.outcomes).clone()
     }
 
@@ -229,6 +227,15 @@ impl FaultInjector {
         })?;
         rules[i].1 -= 1;
         let kind = rules[i].0.kind;
+        // Faults that withhold bytes withhold the whole last slice "at completion" (its
+        // completion is the one duplicated, early or late), so there is always data missing.
+        let k = match (kind, rules[i].0.at) {
+            (
+                FaultKind::DuplicateCompletion | FaultKind::EarlyCompletion | FaultKind::LateWrite,
+                FaultPoint::AtCompletion,
+            ) => 0,
+            _ => k,
+        };
         lock(&self.fired).push(Fired {
             rule: i,
             kind,

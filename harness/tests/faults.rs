@@ -1,0 +1,240 @@
+//! `cargo test faults`: the fault matrix. Every hop x every transport fault kind, each in a
+//! run with two healthy requests beside the faulty one. For every cell: the faulty request
+//! fails with the right kind of error naming its hop (or, for a delay, just completes); the
+//! stage behind the fault never started on it; bytes the fault held back are refused when
+//! they finally arrive; every pool and engine is back to zero; the failure was detected within
+//! the hop deadline plus a small bound; the other requests arrive bit-exact.
+
+use std::time::Duration;
+
+use omnirig_fixtures::PayloadKind;
+use omnirig_fixtures::RequestSpec;
+use omnirig_harness::faults::{FaultSpec, RandomFaults, failing_kinds};
+use omnirig_harness::scenario::{RequestEntry, Scenario};
+use omnirig_harness::{Report, Runner};
+use omnirig_transports::{FaultKind, FaultPoint};
+use rstest::rstest;
+
+const HOP_TIMEOUT_S: f64 = 1.0;
+/// Detection bound beyond the hop deadline: the consumer's own wait, scheduling, cleanup.
+const SLACK_MS: f64 = 2500.0;
+
+fn small(seed: u64) -> RequestSpec {
+    let yaml = format!(
+        "{{ seed: {seed}, text_tokens: 16, images: [{{ width: 64, height: 64 }}], \
+         audios: [{{ seconds: 1.0 }}], output_text_tokens: 8, output_audio_seconds: 0.5 }}"
+    );
+    serde_saphyr::from_str(&yaml).unwrap()
+}
+
+/// The faulty request (image_audio: it crosses all four hops) and two healthy ones with
+/// content of their own, so no cache is shared with the faulty one.
+fn scenario(transport: &str, faults: Vec<FaultSpec>) -> Scenario {
+    let mut s = Scenario::golden("image_audio", transport);
+    s.name = "faults".into();
+    s.concurrency = 3;
+    s.hop_timeout_s = HOP_TIMEOUT_S;
+    s.request_timeout_s = 5.0;
+    for seed in [101, 102] {
+        s.requests.push(RequestEntry {
+            case: None,
+            name: Some(format!("healthy{seed}")),
+            request: Some(small(seed)),
+            repeat: 1,
+        });
+    }
+    s.faults = faults;
+    s
+}
+
+/// What the fault must do to the request: fail with this kind, or (a delay) nothing.
+fn expected(kind: FaultKind) -> Option<&'static str> {
+    match kind {
+        FaultKind::FailSubmit | FaultKind::FailSlice => Some("io"),
+        FaultKind::Stall | FaultKind::LateWrite => Some("timed_out"),
+        FaultKind::Delay { .. } => None,
+        FaultKind::DropConnection => Some("peer_disconnected"),
+        FaultKind::Corrupt | FaultKind::DuplicateCompletion | FaultKind::EarlyCompletion => {
+            Some("corrupt")
+        }
+    }
+}
+
+async fn run(s: Scenario) -> Report {
+    let r = Runner::new(s).run().await.unwrap();
+    assert!(
+        r.summary.pools_clean,
+        "pools or engines not back to zero: {:?}",
+        r.stages
+    );
+    r
+}
+
+fn assert_healthy_ones_exact(r: &Report) {
+    for q in r.requests.iter().filter(|q| q.label.starts_with("healthy")) {
+        assert!(
+            q.ok,
+            "{} failed beside the faulty request: {:?}",
+            q.id, q.error
+        );
+        assert!(
+            q.hops.iter().all(|h| h.verified),
+            "{}: a hop was not verified",
+            q.id
+        );
+    }
+}
+
+fn assert_late_bytes_refused(r: &Report) {
+    for l in &r.faults.as_ref().expect("fault report").late {
+        assert!(
+            l.refused,
+            "held bytes for {} {} landed late: {}",
+            l.request, l.tensor, l.outcome
+        );
+    }
+}
+
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_matrix(
+    #[values("loopback", "tcp")] transport: &str,
+    #[values(
+        PayloadKind::EncoderEmbeddings,
+        PayloadKind::KvCache,
+        PayloadKind::ThinkerToTalker,
+        PayloadKind::TalkerToCode2wav
+    )]
+    hop: PayloadKind,
+    #[values(
+        FaultKind::FailSubmit,
+        FaultKind::FailSlice,
+        FaultKind::Stall,
+        FaultKind::Delay { ms: 50 },
+        FaultKind::DropConnection,
+        FaultKind::Corrupt,
+        FaultKind::DuplicateCompletion,
+        FaultKind::EarlyCompletion,
+        FaultKind::LateWrite
+    )]
+    kind: FaultKind,
+) {
+    let fault = FaultSpec {
+        hop: hop.as_str().into(),
+        request: 0,
+        tensor: None,
+        at: FaultPoint::AfterBytes(4096),
+        kind,
+        times: 1,
+    };
+    let r = run(scenario(transport, vec![fault])).await;
+    let faults = r.faults.as_ref().unwrap();
+    assert_eq!(
+        faults.fired.len(),
+        1,
+        "the fault did not strike: {faults:?}"
+    );
+    let q = &r.requests[0];
+    match expected(kind) {
+        None => {
+            assert!(q.ok, "{kind:?} at {hop}: {:?}", q.error);
+            assert!(q.hops.iter().all(|h| h.verified));
+        }
+        Some(want) => {
+            assert!(!q.ok, "{kind:?} at {hop}: the request went through");
+            let f = q.failure.as_ref().unwrap();
+            assert_eq!(f.kind, want, "{kind:?} at {hop}: {:?}", q.error);
+            assert_eq!(f.hop.as_deref(), Some(hop.as_str()), "{:?}", q.error);
+            assert!(
+                f.tensor.is_some(),
+                "the error names no tensor: {:?}",
+                q.error
+            );
+            // The stage behind the fault never passed its fence for this request, nor did any
+            // stage after it.
+            let behind = hop.target().as_str();
+            let from = q.stages.iter().position(|s| s.stage == behind).unwrap();
+            for s in &q.stages[from..] {
+                assert!(s.received.is_none(), "{} started on partial data", s.stage);
+                assert_eq!(
+                    s.compute_ms, 0.0,
+                    "{} computed on a failed request",
+                    s.stage
+                );
+            }
+            assert!(
+                q.e2e_ms <= HOP_TIMEOUT_S * 1000.0 + SLACK_MS,
+                "detected after {} ms",
+                q.e2e_ms
+            );
+        }
+    }
+    assert_late_bytes_refused(&r);
+    assert_healthy_ones_exact(&r);
+}
+
+/// A fault aimed at another tensor of another hop's request leaves this one alone, and a
+/// scripted plan runs the same way twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_strike_the_same_bytes_every_run() {
+    let fault = FaultSpec {
+        hop: "kv_cache".into(),
+        request: 0,
+        tensor: Some("kv.layer.7.v".into()),
+        at: FaultPoint::AfterBytes(100_000),
+        kind: FaultKind::Corrupt,
+        times: 1,
+    };
+    let a = run(scenario("loopback", vec![fault.clone()])).await;
+    let b = run(scenario("loopback", vec![fault])).await;
+    let fa = &a.faults.as_ref().unwrap().fired;
+    assert_eq!(fa, &b.faults.as_ref().unwrap().fired);
+    assert_eq!(fa[0].tensor, "kv.layer.7.v");
+    let f = a.requests[0].failure.as_ref().unwrap();
+    assert_eq!(
+        (f.kind.as_str(), f.tensor.as_deref()),
+        ("corrupt", Some("kv.layer.7.v"))
+    );
+}
+
+/// Many requests, a seeded random 10% of them faulty: exactly those fail, the rest are exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_at_random_fail_exactly_their_requests() {
+    let mut s = scenario("loopback", vec![]);
+    s.requests = (0..40)
+        .map(|i| RequestEntry {
+            case: None,
+            name: Some(format!("r{i}")),
+            request: Some(small(1000 + i)),
+            repeat: 1,
+        })
+        .collect();
+    s.concurrency = 8;
+    s.random_faults = Some(RandomFaults {
+        fraction: 0.1,
+        seed: 5,
+        kinds: failing_kinds(),
+    });
+    let planned = s.compile_faults(&s.expand().unwrap()).unwrap().must_fail();
+    let r = run(s).await;
+    let failed: Vec<String> = r
+        .requests
+        .iter()
+        .filter(|q| !q.ok)
+        .map(|q| q.id.clone())
+        .collect();
+    let f = r.faults.as_ref().unwrap();
+    assert_eq!(
+        failed, planned,
+        "targets {:?}\nfired {:?}",
+        f.targets, f.fired
+    );
+    assert!(
+        r.requests
+            .iter()
+            .filter(|q| q.ok)
+            .all(|q| q.hops.iter().all(|h| h.verified))
+    );
+    assert_late_bytes_refused(&r);
+    let _ = Duration::ZERO;
+}
