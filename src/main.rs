@@ -2,6 +2,7 @@
 
 mod bench;
 mod cli;
+mod report;
 
 use clap::{Parser, Subcommand};
 
@@ -21,7 +22,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Benchmarks: transfer (engine vs physical baseline).
+    /// Benchmarks: transfer (engine vs physical baseline), hop and pipeline (tensor-native vs
+    /// the current pickle-over-ZMQ path).
     #[command(subcommand)]
     Bench(cli::bench::BenchCmd),
     /// Describe and export golden Qwen3-Omni fixtures.
@@ -29,6 +31,8 @@ enum Cmd {
     Fixtures(cli::fixtures::FixturesCmd),
     /// Run the five-stage pipeline on a scenario and write a report.
     Run(cli::run::RunArgs),
+    /// Plots (PNG and SVG) from benchmark results and run reports.
+    Report(cli::report::ReportArgs),
     /// One stage as its own process (started by `run --processes`).
     #[command(hide = true)]
     Stage(cli::stage::StageArgs),
@@ -55,6 +59,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bench(cmd) => cli::bench::run(cmd),
         Cmd::Fixtures(cmd) => cli::fixtures::run(cmd),
         Cmd::Run(args) => cli::run::run(args),
+        Cmd::Report(args) => cli::report::run(args),
         Cmd::Stage(args) => cli::stage::run(args),
     }
 }

@@ -1,4 +1,5 @@
 pub mod bench;
 pub mod fixtures;
+pub mod report;
 pub mod run;
 pub mod stage;

@@ -9,7 +9,7 @@ use omnirig_harness::{Runner, Scenario};
 pub struct RunArgs {
     /// Scenario YAML (default: the embedded default scenario).
     scenario: Option<PathBuf>,
-    /// Write `report.json` into this directory.
+    /// Write `report.json` (and its plots, under `plots/`) into this directory.
     #[arg(long)]
     report: Option<PathBuf>,
     /// Run each stage as its own OS process, over tcp on 127.0.0.1.
@@ -55,6 +55,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.report {
         let path = report.write(dir)?;
         println!("report: {}", path.display());
+        // The run's own plots next to it (a failed plot never fails the run).
+        match crate::report::run_plots(&report, &dir.join("plots"), "") {
+            Ok(files) => println!(
+                "plots: {} files in {}",
+                files.len(),
+                dir.join("plots").display()
+            ),
+            Err(e) => eprintln!("plots: {e:#}"),
+        }
     }
     if !report.passed() {
         std::process::exit(1);
