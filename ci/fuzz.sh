@@ -18,8 +18,13 @@
 #   FUZZ_OUT=dir     output directory (default fuzz/out/TARGET); it is replaced on each run
 #   AFL_* variables  passed through to afl-fuzz
 #
-# From built binaries only (no Rust on the machine):
-#   AFL_FUZZ=/path/afl-fuzz FUZZ_BIN=/path/packet ci/fuzz.sh packet 600
+#   That afl-fuzz links libpython3 (from the machine that built AFL++), so on another machine
+#   use a static one with no Python: in a copy of ~/.local/share/afl.rs/AFLplusplus,
+#   `rm -f afl-fuzz src/*.o; make afl-fuzz NO_PYTHON=1 STATIC=1`.
+#
+# From built binaries only (no Rust on the machine), e.g. with everything in fuzz/bin/
+# (git-ignored: the three binaries from fuzz/target/release/ and the static afl-fuzz):
+#   AFL_FUZZ=fuzz/bin/afl-fuzz FUZZ_BIN=fuzz/bin/packet ci/fuzz.sh packet 600
 set -euo pipefail
 
 usage() { echo "usage: $0 frame|packet|control SECONDS" >&2; exit 2; }

@@ -14,7 +14,9 @@ use omnirig_transports::transport::tcp::frame::{FrameKind, Header, error_body};
 use omnirig_transports::{Access, Error, ErrorKind, Grant};
 
 fn write(target: &str, name: &str, bytes: &[u8]) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("seeds").join(target);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("seeds")
+        .join(target);
     fs::create_dir_all(&dir).unwrap();
     fs::write(dir.join(name), bytes).unwrap();
 }
@@ -40,9 +42,16 @@ fn main() {
     h.offset = 4096;
     h.len = 65536;
     let grant_bytes = grant().to_bytes();
-    write("frame", "write_grant", &[&h.encode()[..], &grant_bytes].concat());
+    write(
+        "frame",
+        "write_grant",
+        &[&h.encode()[..], &grant_bytes].concat(),
+    );
     let mut h = Header::new(FrameKind::Error, 43);
-    let body = error_body(&Error::new(ErrorKind::GrantRevoked, "grant decode-kv#7 revoked"));
+    let body = error_body(&Error::new(
+        ErrorKind::GrantRevoked,
+        "grant decode-kv#7 revoked",
+    ));
     h.body_len = body.len() as u32;
     write("frame", "error_body", &[&h.encode()[..], &body].concat());
     let d = SegmentDescriptor {
@@ -50,14 +59,26 @@ fn main() {
         instance: 0x1234_5678,
         tcp: Some("127.0.0.1:40002".parse().unwrap()),
         buffers: vec![
-            BufferDescriptor { id: 1, len: 1 << 20, kind: MemoryKind::Host },
-            BufferDescriptor { id: 2, len: 4096, kind: MemoryKind::Host },
+            BufferDescriptor {
+                id: 1,
+                len: 1 << 20,
+                kind: MemoryKind::Host,
+            },
+            BufferDescriptor {
+                id: 2,
+                len: 4096,
+                kind: MemoryKind::Host,
+            },
         ],
     };
     let body = d.to_bytes();
     let mut h = Header::new(FrameKind::DescribeReply, 44);
     h.body_len = body.len() as u32;
-    write("frame", "describe_reply", &[&h.encode()[..], &body].concat());
+    write(
+        "frame",
+        "describe_reply",
+        &[&h.encode()[..], &body].concat(),
+    );
 
     // packet: every hop of the smallest golden case, msgpack; two as JSON.
     let card = ModelCard::qwen3_omni();
@@ -77,7 +98,11 @@ fn main() {
         }
         let js = p.to_json_pretty().unwrap();
         if i < 2 && js.len() <= 4096 {
-            write("packet", &format!("{}.json", hop.payload_kind), js.as_bytes());
+            write(
+                "packet",
+                &format!("{}.json", hop.payload_kind),
+                js.as_bytes(),
+            );
         }
     }
 
@@ -98,12 +123,21 @@ fn main() {
             reservation: KvReservation {
                 first_block: 2,
                 dst_blocks: vec![9, 10, 11],
-                grants: vec![KvGrant { layer: 0, v: true, start: 0, len: 3, grant: grant() }],
+                grants: vec![KvGrant {
+                    layer: 0,
+                    v: true,
+                    start: 0,
+                    len: 3,
+                    grant: grant(),
+                }],
             },
         },
         Msg::StageReserve {
             request: r(),
-            grants: vec![NamedGrant { tensor: "codes.audio".into(), grant: grant() }],
+            grants: vec![NamedGrant {
+                tensor: "codes.audio".into(),
+                grant: grant(),
+            }],
         },
         Msg::Finish {
             request: r(),
@@ -112,17 +146,29 @@ fn main() {
                 digest: "00112233445566778899aabbccddeeff".into(),
             }],
         },
-        Msg::Error { request: r(), failed: vec!["kv.layer0.k".into()], cause: "peer closed".into() },
+        Msg::Error {
+            request: r(),
+            failed: vec!["kv.layer0.k".into()],
+            cause: "peer closed".into(),
+        },
         Msg::Hello {
             stage: "talker".into(),
             control: "127.0.0.1:40001".into(),
             engine_in: Some("127.0.0.1:40002".into()),
             engine_out: None,
         },
-        Msg::Run { request: r(), spec: case.request.clone() },
-        Msg::StageDone { request: r(), outcome: Default::default() },
+        Msg::Run {
+            request: r(),
+            spec: case.request.clone(),
+        },
+        Msg::StageDone {
+            request: r(),
+            outcome: Default::default(),
+        },
         Msg::Shutdown,
-        Msg::Bye { usage: Default::default() },
+        Msg::Bye {
+            usage: Default::default(),
+        },
     ];
     for m in &msgs {
         write("control", m.name(), &m.encode().unwrap());

@@ -433,16 +433,26 @@ fn huge_claimed_lengths_are_refused_without_allocating() {
         ("array32 at the top", array32.clone()),
         ("str32 variant name", [&[0x81][..], &str32].concat()),
         ("EcReserve.slots", with("EcReserve", "slots", &array32)),
-        ("StageReserve.grants", with("StageReserve", "grants", &array32)),
+        (
+            "StageReserve.grants",
+            with("StageReserve", "grants", &array32),
+        ),
         ("Finish.digests", with("Finish", "digests", &array32)),
         ("Error.failed", with("Error", "failed", &array32)),
         ("Packet.packet array", with("Packet", "packet", &array32)),
         ("Packet.packet bin", with("Packet", "packet", &bin32)),
         ("Refuse.cause", with("Refuse", "cause", &str32)),
-        ("KvReserve.reservation", with("KvReserve", "reservation", &map32)),
+        (
+            "KvReserve.reservation",
+            with("KvReserve", "reservation", &map32),
+        ),
         (
             "KvReserve.reservation.dst_blocks",
-            with("KvReserve", "reservation", &[&[0x93, 0x00][..], &array32].concat()),
+            with(
+                "KvReserve",
+                "reservation",
+                &[&[0x93, 0x00][..], &array32].concat(),
+            ),
         ),
         ("skipped unknown field", with("Offer", "x", &array32)),
     ];
@@ -451,8 +461,15 @@ fn huge_claimed_lengths_are_refused_without_allocating() {
         let (r, peak) = peak_of(|| Msg::decode(bytes));
         let e = r.expect_err(what);
         assert!(matches!(e, HarnessError::Control { .. }), "{what}: {e:?}");
-        assert!(peak <= (1 << 20) + (16 << 10), "{what}: {peak} bytes allocated");
-        assert!(t.elapsed() < Duration::from_secs(1), "{what}: {:?}", t.elapsed());
+        assert!(
+            peak <= (1 << 20) + (16 << 10),
+            "{what}: {peak} bytes allocated"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "{what}: {:?}",
+            t.elapsed()
+        );
     }
 }
 
@@ -471,7 +488,11 @@ fn a_list_over_max_items_is_refused_with_bounded_memory() {
     let (r, peak) = peak_of(|| Msg::decode(&bytes));
     let e = r.unwrap_err().to_string();
     assert!(e.contains("exceeds"), "{e}");
-    assert!(peak <= allowance(bytes.len()), "{peak} bytes for {}", bytes.len());
+    assert!(
+        peak <= allowance(bytes.len()),
+        "{peak} bytes for {}",
+        bytes.len()
+    );
     eprintln!(
         "{n} empty strings in {} bytes: peak {peak} bytes ({:.1}x the input) in {:?}",
         bytes.len(),

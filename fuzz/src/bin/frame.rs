@@ -30,7 +30,10 @@ fn main() {
         }
         if let Ok(d) = SegmentDescriptor::from_bytes(rest) {
             d.validate().expect("a decoded descriptor is valid");
-            assert_eq!(SegmentDescriptor::from_bytes(&d.to_bytes()).expect("re-decodes"), d);
+            assert_eq!(
+                SegmentDescriptor::from_bytes(&d.to_bytes()).expect("re-decodes"),
+                d
+            );
         }
     });
 }

@@ -7,8 +7,13 @@ fn check(p: Packet) {
     p.validate().expect("a decoded packet is valid");
     let mp = p.to_msgpack().expect("a decoded packet re-encodes");
     assert_eq!(Packet::from_msgpack(&mp).expect("msgpack round trip"), p);
-    let js = p.to_json_pretty().expect("a decoded packet re-encodes as JSON");
-    assert_eq!(Packet::from_json(js.as_bytes()).expect("JSON round trip"), p);
+    let js = p
+        .to_json_pretty()
+        .expect("a decoded packet re-encodes as JSON");
+    assert_eq!(
+        Packet::from_json(js.as_bytes()).expect("JSON round trip"),
+        p
+    );
 }
 
 fn main() {
