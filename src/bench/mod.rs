@@ -248,10 +248,8 @@ impl Results {
                 r.baseline.p50_us / r.omnirig.p50_us
             );
             if let Some((ours, base)) = r.throughput_rps {
-                s += &format!(
-                    "{:<20} {:<16} {:>8} {:>11.1} req/s {:<12} {:>5.1} req/s\n",
-                    "", "", "", ours, "", base
-                );
+                s.pop();
+                s += &format!("   {ours:.1} vs {base:.1} req/s\n");
             }
         }
         s

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use omnirig_transports::TcpConfig;
 
-use crate::bench::{self, hop, parse_sizes, peer, transfer};
+use crate::bench::{self, hop, parse_sizes, peer, pipeline, transfer};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum BenchCmd {
@@ -16,6 +16,9 @@ pub enum BenchCmd {
     /// message included, against the current path (pickle / pickle protocol 5 out-of-band over
     /// ZMQ, ci/baseline/pickle_hop.py), between two processes on 127.0.0.1.
     Hop(HopArgs),
+    /// End-to-end five-stage request latency (p50/p99) and throughput against concurrency:
+    /// tensor-native hops against the current path (five Python processes, pickle over ZMQ).
+    Pipeline(PipelineArgs),
     /// (internal) The far side of a two-process benchmark.
     #[command(hide = true)]
     Peer(PeerArgs),
@@ -65,6 +68,24 @@ pub struct HopArgs {
     /// Also time the same protocol in one process over loopback.
     #[arg(long)]
     loopback: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PipelineArgs {
+    /// Requests in flight, comma separated.
+    #[arg(long, default_value = "1,4,16,64")]
+    concurrency: String,
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Timed requests per concurrency level (at least 2 x concurrency).
+    #[arg(long, default_value_t = 24)]
+    requests: usize,
+    /// Baseline modes: pickle, pickle5-oob (comma separated).
+    #[arg(long, default_value = "pickle,pickle5-oob")]
+    modes: String,
+    /// Registered receive pool per stage; reservations wait for room (backpressure).
+    #[arg(long, default_value = "512M")]
+    pool: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -155,6 +176,17 @@ pub struct PeerArgs {
     busy_poll_us: u64,
 }
 
+/// The pipeline suite's default requests: the interactive golden cases (the 144 MiB and 300 MiB
+/// KV cases would hold gigabytes in the baseline's ZMQ queues at concurrency 64; pass
+/// `--scenario` to run them).
+const PIPELINE_SCENARIO: &str = "name: bench-pipeline
+concurrency: 1
+transport: tcp
+requests:
+  - case: text_short
+  - case: image_audio
+";
+
 fn one_size(s: &str, what: &str) -> anyhow::Result<u64> {
     match parse_sizes(s)
         .with_context(|| format!("--{what}"))?
@@ -210,6 +242,39 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
             };
             let results = hop::run(&opts)?;
             emit(&results, hop::verdicts(&results), a.common.json.as_deref())
+        }
+        BenchCmd::Pipeline(a) => {
+            let concurrency = a
+                .concurrency
+                .split(',')
+                .map(|c| c.trim().parse::<usize>().context("--concurrency"))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            if concurrency.contains(&0) {
+                anyhow::bail!("--concurrency: 0 requests in flight");
+            }
+            let opts = pipeline::Options {
+                scenario: match &a.common.scenario {
+                    Some(_) => a.common.scenario()?,
+                    None => omnirig_harness::Scenario::from_yaml(
+                        PIPELINE_SCENARIO,
+                        "bench pipeline default",
+                    )?,
+                },
+                concurrency,
+                requests: a.requests.max(1),
+                inline_below: a.common.inline_below()?,
+                modes: a.modes.split(',').map(|m| m.trim().to_string()).collect(),
+                python: a.common.python.clone(),
+                script: a.common.script(),
+                tcp: TcpConfig::default(),
+                pool_bytes: one_size(&a.pool, "pool")?,
+            };
+            let results = pipeline::run(&opts)?;
+            emit(
+                &results,
+                pipeline::verdicts(&results),
+                a.common.json.as_deref(),
+            )
         }
         BenchCmd::HopPeer(p) => hop::serve_peer(
             p.pool_bytes,
