@@ -23,7 +23,7 @@ use crate::kv::KvReservation;
 use crate::stage::{StageOutcome, StageUsage};
 
 /// Largest frame accepted (a KV reservation for a long prompt is the biggest message).
-pub const MAX_FRAME: usize = 16 << 20;
+pub const MAX_FRAME: usize = 4 << 20;
 /// Longest id or name in a message.
 pub const MAX_ID: usize = 1024;
 /// Most items in any list of a message.

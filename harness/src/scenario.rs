@@ -186,6 +186,10 @@ pub struct RequestEntry {
     pub request: Option<RequestSpec>,
     #[serde(default = "one_u32")]
     pub repeat: u32,
+    /// Give repeat k the seed `seed + k`: new content each time (no cache hits), the way a
+    /// load of distinct small requests looks.
+    #[serde(default)]
+    pub vary_seed: bool,
 }
 
 /// One request of a run.
@@ -254,6 +258,7 @@ impl Scenario {
                 name: None,
                 request: None,
                 repeat: 1,
+                vary_seed: false,
             }],
             faults: vec![],
             random_faults: None,
@@ -362,12 +367,20 @@ impl Scenario {
                 (None, None) => return Err(bad("requests", format!("requests[{i}] is empty"))),
             };
             let plan = plan_request(&card, &spec, &self.shape_options())?;
-            for _ in 0..r.repeat {
+            for k in 0..r.repeat {
+                let (spec, plan) = if r.vary_seed && k > 0 {
+                    let mut spec = spec.clone();
+                    spec.seed = spec.seed.wrapping_add(u64::from(k));
+                    let plan = plan_request(&card, &spec, &self.shape_options())?;
+                    (spec, plan)
+                } else {
+                    (spec.clone(), plan.clone())
+                };
                 out.push(PlannedRequest {
                     id: format!("{:03}-{label}", out.len()),
                     label: label.clone(),
-                    spec: spec.clone(),
-                    plan: plan.clone(),
+                    spec,
+                    plan,
                 });
             }
         }

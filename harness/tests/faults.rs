@@ -41,6 +41,7 @@ fn scenario(transport: &str, faults: Vec<FaultSpec>) -> Scenario {
             name: Some(format!("healthy{seed}")),
             request: Some(small(seed)),
             repeat: 1,
+            vary_seed: false,
         });
     }
     s.faults = faults;
@@ -207,6 +208,7 @@ async fn faults_at_random_fail_exactly_their_requests() {
             name: Some(format!("r{i}")),
             request: Some(small(1000 + i)),
             repeat: 1,
+            vary_seed: false,
         })
         .collect();
     s.concurrency = 8;

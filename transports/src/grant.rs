@@ -250,13 +250,33 @@ pub struct Admitted {
     pub len: u64,
 }
 
+/// The live ranges of one buffer: (start, epoch) -> end, and the longest range ever held
+/// while the buffer had any, so an overlap query only looks at starts in
+/// `offset - longest .. end` (a busy KV pool holds tens of thousands of small grants).
+#[derive(Debug, Default)]
+struct Ranges {
+    map: BTreeMap<(u64, u64), u64>,
+    longest: u64,
+}
+
+impl Ranges {
+    /// Ranges that overlap `offset..end`.
+    fn overlapping(&self, offset: u64, end: u64) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        let from = offset.saturating_sub(self.longest);
+        self.map
+            .range((from, 0)..(end, 0))
+            .filter(move |&(&(start, _), &e)| start < end && e > offset)
+            .map(|(&(start, epoch), &e)| (start, epoch, e))
+    }
+}
+
 /// One engine's grants.
 #[derive(Debug, Default)]
 pub struct GrantTable {
     next_epoch: u64,
     by_epoch: HashMap<u64, Arc<GrantEntry>>,
     /// Per buffer: (start, epoch) -> end, for overlap checks and accounting.
-    by_buffer: HashMap<u32, BTreeMap<(u64, u64), u64>>,
+    by_buffer: HashMap<u32, Ranges>,
     granted_bytes: u64,
     leases: usize,
     /// Live grants with an expiry; sweeping is skipped while there are none.
@@ -293,10 +313,9 @@ impl GrantTable {
             }
         };
         if let Some(ranges) = self.by_buffer.get(&buffer) {
-            for (&(start, epoch), &e) in ranges.range(..(end, 0)) {
+            for (start, epoch, e) in ranges.overlapping(offset, end) {
                 let other = &self.by_epoch[&epoch].grant;
-                let overlaps = start < end && e > offset;
-                if overlaps && (access == Access::Write || other.access == Access::Write) {
+                if access == Access::Write || other.access == Access::Write {
                     return Err(Error::new(
                         ErrorKind::GrantOverlap,
                         format!("{offset}..{end} of buffer {buffer} overlaps {start}..{e}"),
@@ -324,10 +343,9 @@ impl GrantTable {
                 fence: Fence::default(),
             }),
         );
-        self.by_buffer
-            .entry(buffer)
-            .or_default()
-            .insert((offset, grant.epoch), end);
+        let ranges = self.by_buffer.entry(buffer).or_default();
+        ranges.map.insert((offset, grant.epoch), end);
+        ranges.longest = ranges.longest.max(len);
         if expires.is_some() {
             self.expiring += 1;
         }
@@ -405,8 +423,8 @@ impl GrantTable {
         let entry = self.by_epoch.remove(&epoch)?;
         let g = &entry.grant;
         if let Some(ranges) = self.by_buffer.get_mut(&g.buffer) {
-            ranges.remove(&(g.offset, epoch));
-            if ranges.is_empty() {
+            ranges.map.remove(&(g.offset, epoch));
+            if ranges.map.is_empty() {
                 self.by_buffer.remove(&g.buffer);
             }
         }
@@ -463,7 +481,7 @@ impl GrantTable {
 
     /// Live grants on `buffer`.
     pub fn count_on(&self, buffer: u32) -> usize {
-        self.by_buffer.get(&buffer).map_or(0, |r| r.len())
+        self.by_buffer.get(&buffer).map_or(0, |r| r.map.len())
     }
 
     /// Whether `offset..offset+len` of `buffer` overlaps a live grant (of the given access, or any).
@@ -477,13 +495,9 @@ impl GrantTable {
         let end = offset.saturating_add(len);
         let ranges = self.by_buffer.get(&buffer)?;
         ranges
-            .range(..(end, 0))
-            .find(|&(&(start, epoch), &e)| {
-                start < end
-                    && e > offset
-                    && access.is_none_or(|a| self.by_epoch[&epoch].grant.access == a)
-            })
-            .map(|(&(_, epoch), _)| epoch)
+            .overlapping(offset, end)
+            .find(|&(_, epoch, _)| access.is_none_or(|a| self.by_epoch[&epoch].grant.access == a))
+            .map(|(_, epoch, _)| epoch)
     }
 
     /// Live grants handed to peers (leases not counted).
