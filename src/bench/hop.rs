@@ -925,3 +925,71 @@ pub fn verdicts(r: &Results) -> Vec<String> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_names_parse_both_spellings() {
+        for k in PayloadKind::ALL {
+            assert_eq!(parse_hop(hop_label(k)).unwrap(), k);
+            assert_eq!(parse_hop(k.as_str()).unwrap(), k);
+        }
+        assert!(parse_hop("x").is_err());
+    }
+
+    #[test]
+    fn every_hop_of_the_default_scenario_has_cases() {
+        let s = Scenario::default_scenario();
+        for k in PayloadKind::ALL {
+            let c = scenario_cases(&s, k).unwrap();
+            assert!(!c.is_empty(), "{k:?}");
+            // Distinct labels: the repeated image_audio request is measured once.
+            let mut labels: Vec<_> = c.iter().map(|x| x.0.clone()).collect();
+            labels.dedup();
+            assert_eq!(labels.len(), c.len());
+        }
+    }
+
+    /// The whole hop protocol in one process over loopback: offer, grants, write, packet,
+    /// ack; inline below the threshold; bytes checked on the first handoff.
+    #[tokio::test]
+    async fn loopback_hop_round_trips_with_grants_and_inline() {
+        let store = InProcessStore::new();
+        let cfg = |n: &str| {
+            EngineConfig::new(n)
+                .store(store.clone())
+                .policy(TransportPolicy::Only("loopback"))
+                .tcp_listen(None)
+        };
+        let a = Arc::new(Engine::new(cfg("t-prod")).await.unwrap());
+        let b = Arc::new(Engine::new(cfg("t-cons")).await.unwrap());
+        let s = Scenario::golden("text_short", "loopback");
+        for (kind, inline) in [
+            (PayloadKind::ThinkerToTalker, 0),
+            (PayloadKind::TalkerToCode2wav, 1 << 20),
+            (PayloadKind::KvCache, 0),
+        ] {
+            let cases = scenario_cases(&s, kind).unwrap();
+            let (src, ps, _) = stage_payloads(&a, kind, &cases, None).unwrap();
+            let pool = Pool::new(&b, "t", 2 * ps[0].total + (1 << 20)).unwrap();
+            let (pl, cl) = Link::pair("t");
+            let task = tokio::spawn(serve_consumer(b.clone(), cl, pool.clone()));
+            let prod = Producer {
+                engine: a.clone(),
+                link: pl,
+                src,
+                inline_below: inline,
+            };
+            announce(&prod.link, "r", &ps[0]).unwrap();
+            for _ in 0..3 {
+                prod.send("r", &ps[0]).await.unwrap();
+            }
+            retire(&prod.link, "r").unwrap();
+            prod.link.send(Msg::Shutdown).unwrap();
+            task.await.unwrap().unwrap();
+            assert_eq!(pool.usage(), (0, 0));
+        }
+    }
+}

@@ -51,6 +51,8 @@ pub struct Options {
 
 /// The scenario's requests, in order: (label, spec, per hop in pipeline order: tensors).
 type Case = (String, RequestSpec, Vec<Option<Vec<TensorSpec>>>);
+/// One hop of one request: (label, spec, tensors).
+type HopCase = (String, RequestSpec, Vec<TensorSpec>);
 
 fn cases(s: &Scenario) -> anyhow::Result<Vec<Case>> {
     let mut out = Vec::new();
@@ -99,7 +101,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
     let mut hop_files: Vec<Vec<Option<std::path::PathBuf>>> = vec![vec![None; 4]; cases.len()];
     let mut consumers = Vec::new();
     for (hi, kind) in PayloadKind::ALL.into_iter().enumerate() {
-        let with: Vec<(usize, (String, RequestSpec, Vec<TensorSpec>))> = cases
+        let with: Vec<(usize, HopCase)> = cases
             .iter()
             .enumerate()
             .filter_map(|(ci, c)| {

@@ -523,33 +523,41 @@ where
 
 // ---------------------------------------------------------------- pipeline
 
-fn pipeline_points(pipes: &[&Results]) -> Vec<(usize, f64, f64, f64, f64, f64, f64, String)> {
-    // concurrency, ours p50, p99 (ms), base p50, p99 (ms), ours rps, base rps, base name
-    let mut v = Vec::new();
+/// Per side (omnirig, then each baseline): (concurrency, p50 ms, p99 ms, requests/s) points.
+type PipePoints = Vec<(String, Vec<(f64, f64, f64, f64)>)>;
+
+fn pipeline_points(pipes: &[&Results]) -> PipePoints {
+    let mut sides: PipePoints = vec![("omnirig".into(), vec![])];
     for r in pipes {
         for row in &r.rows {
             let Some(c) = row.concurrency else { continue };
+            let c = c as f64;
             let (ro, rb) = row.throughput_rps.unwrap_or((f64::NAN, f64::NAN));
-            v.push((
+            if !sides[0].1.iter().any(|p| p.0 == c) {
+                sides[0]
+                    .1
+                    .push((c, row.omnirig.p50_us / 1e3, row.omnirig.p99_us / 1e3, ro));
+            }
+            let name = row.baseline.name.clone();
+            let i = match sides.iter().position(|s| s.0 == name) {
+                Some(i) => i,
+                None => {
+                    sides.push((name, vec![]));
+                    sides.len() - 1
+                }
+            };
+            sides[i].1.push((
                 c,
-                row.omnirig.p50_us / 1e3,
-                row.omnirig.p99_us / 1e3,
                 row.baseline.p50_us / 1e3,
                 row.baseline.p99_us.unwrap_or(f64::NAN) / 1e3,
-                ro,
                 rb,
-                row.baseline.name.clone(),
             ));
         }
     }
-    v.sort_by_key(|p| p.0);
-    v
-}
-
-fn conc_axis(pts: &[(usize, f64, f64, f64, f64, f64, f64, String)]) -> (f64, f64) {
-    let lo = pts.first().map_or(1, |p| p.0) as f64;
-    let hi = pts.last().map_or(1, |p| p.0) as f64;
-    (lo / 1.3, hi * 1.3)
+    for s in &mut sides {
+        s.1.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    sides
 }
 
 fn pipeline_latency<DB: DrawingBackend>(
@@ -559,18 +567,25 @@ fn pipeline_latency<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let pts = pipeline_points(pipes);
-    let (x0, x1) = conc_axis(&pts);
-    let (y0, y1) = bounds(pts.iter().flat_map(|p| [p.1, p.2, p.3, p.4]));
+    let sides = pipeline_points(pipes);
+    let (x0, x1) = bounds(sides.iter().flat_map(|s| s.1.iter().map(|p| p.0)));
+    let (y0, y1) = bounds(
+        sides
+            .iter()
+            .flat_map(|s| s.1.iter().flat_map(|p| [p.1, p.2])),
+    );
     let mut chart = ChartBuilder::on(area)
         .caption(
-            "Five-stage request latency vs concurrency",
-            ("sans-serif", 30),
+            "Five-stage request latency vs concurrency (tcp, 127.0.0.1)",
+            ("sans-serif", 28),
         )
         .margin(20)
         .x_label_area_size(60)
         .y_label_area_size(80)
-        .build_cartesian_2d((x0..x1).log_scale(), (y0 / 1.5..y1 * 1.5).log_scale())
+        .build_cartesian_2d(
+            (x0 / 1.3..x1 * 1.3).log_scale(),
+            (y0 / 1.5..y1 * 1.5).log_scale(),
+        )
         .map_err(err)?;
     chart
         .configure_mesh()
@@ -582,34 +597,25 @@ where
         .axis_desc_style(("sans-serif", 22))
         .draw()
         .map_err(err)?;
-    let base = pts.first().map(|p| p.7.clone()).unwrap_or_default();
-    let lines = [
-        ("omnirig p50", 1usize, color(0), false),
-        ("omnirig p99", 2, color(2), false),
-        (&*format!("{base} p50"), 3, color(1), true),
-        (&*format!("{base} p99"), 4, color(3), true),
-    ]
-    .map(|(n, i, c, d)| (n.to_string(), i, c, d));
-    let mut legend_series = Vec::new();
-    for (name, i, c, dashed) in lines {
-        let xy: Vec<(f64, f64)> = pts
-            .iter()
-            .map(|p| {
-                let y = [p.1, p.2, p.3, p.4][i - 1];
-                (p.0 as f64, y)
-            })
-            .collect();
-        let s = Series {
-            name,
-            x: vec![],
-            y: vec![],
-            color: c,
-            dash: u8::from(dashed),
-        };
-        draw_line(&mut chart, &s, xy)?;
-        legend_series.push(s);
+    let mut legend = Vec::new();
+    for (i, (name, pts)) in sides.iter().enumerate() {
+        for (pi, q) in ["p50", "p99"].iter().enumerate() {
+            let s = Series {
+                name: format!("{name} {q}"),
+                x: vec![],
+                y: vec![],
+                color: color(i),
+                dash: if pi == 0 { 0 } else { 1 },
+            };
+            let xy = pts
+                .iter()
+                .map(|p| (p.0, if pi == 0 { p.1 } else { p.2 }))
+                .collect();
+            draw_line(&mut chart, &s, xy)?;
+            legend.push(s);
+        }
     }
-    legend_box(area, &legend_series, 130, 90)?;
+    legend_box(area, &legend, 130, 90)?;
     Ok(())
 }
 
@@ -620,15 +626,18 @@ fn pipeline_throughput<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let pts = pipeline_points(pipes);
-    let (x0, x1) = conc_axis(&pts);
-    let (_, y1) = bounds(pts.iter().flat_map(|p| [p.5, p.6]));
+    let sides = pipeline_points(pipes);
+    let (x0, x1) = bounds(sides.iter().flat_map(|s| s.1.iter().map(|p| p.0)));
+    let (_, y1) = bounds(sides.iter().flat_map(|s| s.1.iter().map(|p| p.3)));
     let mut chart = ChartBuilder::on(area)
-        .caption("Five-stage throughput vs concurrency", ("sans-serif", 30))
+        .caption(
+            "Five-stage throughput vs concurrency (tcp, 127.0.0.1)",
+            ("sans-serif", 28),
+        )
         .margin(20)
         .x_label_area_size(60)
         .y_label_area_size(80)
-        .build_cartesian_2d((x0..x1).log_scale(), 0.0..y1 * 1.15)
+        .build_cartesian_2d((x0 / 1.3..x1 * 1.3).log_scale(), 0.0..y1 * 1.5)
         .map_err(err)?;
     chart
         .configure_mesh()
@@ -639,37 +648,36 @@ where
         .axis_desc_style(("sans-serif", 22))
         .draw()
         .map_err(err)?;
-    let base = pts.first().map(|p| p.7.clone()).unwrap_or_default();
-    let mut legend_series = Vec::new();
-    for (name, i, c, dashed) in [
-        ("omnirig (tensor-native)".to_string(), 0, color(0), false),
-        (format!("{base} (current path)"), 1, color(1), true),
-    ] {
-        let xy: Vec<(f64, f64)> = pts
-            .iter()
-            .map(|p| (p.0 as f64, if i == 0 { p.5 } else { p.6 }))
-            .collect();
+    let mut legend = Vec::new();
+    for (i, (name, pts)) in sides.iter().enumerate() {
         let s = Series {
-            name,
+            name: if i == 0 {
+                "omnirig (tensor-native)".into()
+            } else {
+                format!("{name} over ZMQ (current path)")
+            },
             x: vec![],
             y: vec![],
-            color: c,
-            dash: u8::from(dashed),
+            color: color(i),
+            dash: if i == 0 { 0 } else { 1 },
         };
-        draw_line(&mut chart, &s, xy)?;
-        legend_series.push(s);
+        draw_line(&mut chart, &s, pts.iter().map(|p| (p.0, p.3)).collect())?;
+        legend.push(s);
     }
-    legend_box(area, &legend_series, 130, 90)?;
+    legend_box(area, &legend, 130, 90)?;
     Ok(())
 }
 
 // ---------------------------------------------------------------- timeline
 
+/// (stage, start ms, receive ms, compute ms, send ms).
+pub type StageSpan = (String, f64, f64, f64, f64);
+
 /// Per request, per stage: `[start, end]` relative to the request's start, split into
 /// receive (offer -> inputs verified), compute, and send (the outbound engine transfer).
 /// Stages start with the request and wait for their inbound offer, so a stage's end is its
 /// `total_ms`; its busy span is laid back from there (handoff + compute + transfer).
-pub fn stage_spans(r: &Report) -> Vec<(String, Vec<(String, f64, f64, f64, f64)>)> {
+pub fn stage_spans(r: &Report) -> Vec<(String, Vec<StageSpan>)> {
     r.requests
         .iter()
         .map(|q| {
@@ -791,4 +799,165 @@ where
         .draw()
         .map_err(err)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::{Row, Samples};
+    use omnirig_harness::{HopResult, RequestResult, StageOutcome, Summary};
+    use std::time::Duration;
+
+    fn samples(us: &[u64], bytes: u64) -> Samples {
+        let mut s = Samples::new(bytes);
+        for &u in us {
+            s.push(Duration::from_micros(u));
+        }
+        s
+    }
+
+    fn write(dir: &Path, name: &str, r: &Results) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, serde_json::to_string(r).unwrap()).unwrap();
+        p
+    }
+
+    #[test]
+    fn every_plot_renders_from_every_suite_and_a_run_report() {
+        let dir = std::env::temp_dir().join(format!("omnirig-report-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut transfer = Results {
+            suite: "transfer".into(),
+            transport: "tcp".into(),
+            rows: vec![],
+        };
+        let mut hop = Results {
+            suite: "hop".into(),
+            transport: "tcp".into(),
+            rows: vec![],
+        };
+        let mut pipe = Results {
+            suite: "pipeline".into(),
+            transport: "tcp".into(),
+            rows: vec![],
+        };
+        for (i, size) in [4096u64, 1 << 20, 64 << 20].into_iter().enumerate() {
+            let ours = samples(&[10 + i as u64 * 100, 20, 30], size);
+            let base = samples(&[15, 25 + i as u64 * 200, 35], size);
+            transfer
+                .rows
+                .push(Row::new("write", size, &ours, "raw-polled", &base));
+            let mut r = Row::new("hop-tcp", size, &ours, "pickle", &base);
+            r.hop = Some("kv".into());
+            r.case = Some(format!("case{i}"));
+            r.attach_samples(&ours, &base);
+            hop.rows.push(r);
+        }
+        for c in [1usize, 4, 16] {
+            let mut r = Row::new(
+                "request",
+                1 << 20,
+                &samples(&[1000 * c as u64, 2000], 1 << 20),
+                "pickle",
+                &samples(&[5000 * c as u64, 9000], 1 << 20),
+            );
+            r.concurrency = Some(c);
+            r.throughput_rps = Some((100.0 / c as f64, 20.0 / c as f64));
+            pipe.rows.push(r);
+        }
+        let stage = |name: &str, total: f64| StageOutcome {
+            stage: name.into(),
+            participated: true,
+            compute_ms: 1.0,
+            total_ms: total,
+            ..Default::default()
+        };
+        let report = Report {
+            report_version: 1,
+            scenario: "t".into(),
+            mode: "in_process".into(),
+            transports: Default::default(),
+            concurrency: 1,
+            wall_s: 1.0,
+            summary: Summary::default(),
+            hops: vec![],
+            requests: vec![RequestResult {
+                id: "000-x".into(),
+                label: "x".into(),
+                ok: true,
+                e2e_ms: 9.0,
+                hops: vec![HopResult {
+                    hop: "kv_cache".into(),
+                    transfer_ms: 2.0,
+                    handoff_ms: 3.0,
+                    ..Default::default()
+                }],
+                stages: vec![stage("thinker_prefill", 4.0), stage("thinker_decode", 8.0)],
+                ..Default::default()
+            }],
+            stages: vec![],
+            faults: None,
+        };
+        let mut report = report;
+        report.summarise();
+        let run = dir.join("report.json");
+        report.write(&dir).unwrap();
+        let inputs = vec![
+            write(&dir, "t.json", &transfer),
+            write(&dir, "h.json", &hop),
+            write(&dir, "p.json", &pipe),
+            run,
+        ];
+        let out = dir.join("plots");
+        let files = render(&inputs, &out).unwrap();
+        for name in [
+            "bandwidth",
+            "bandwidth-hops",
+            "latency-cdf-kv",
+            "pipeline-latency",
+            "pipeline-throughput",
+            "run-cdf",
+            "run-timeline",
+        ] {
+            for ext in ["png", "svg"] {
+                let f = out.join(format!("{name}.{ext}"));
+                assert!(files.contains(&f), "{} not written", f.display());
+                assert!(
+                    std::fs::metadata(&f).unwrap().len() > 1000,
+                    "{} is empty",
+                    f.display()
+                );
+            }
+        }
+        let png = std::fs::read(out.join("bandwidth.png")).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+        let svg = std::fs::read_to_string(out.join("pipeline-latency.svg")).unwrap();
+        assert!(svg.contains("Five-stage request latency"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn timeline_spans_end_at_each_stage_total() {
+        let r: Report = serde_json::from_value(serde_json::json!({
+            "report_version": 1, "scenario": "s", "mode": "in_process", "transports": {},
+            "concurrency": 1, "wall_s": 1.0, "summary": {
+                "requests": 1, "ok": 1, "failed": 0, "pools_clean": true, "e2e_p50_ms": 1.0,
+                "e2e_p99_ms": 1.0, "e2e_mean_ms": 1.0, "throughput_rps": 1.0,
+                "moved_bytes": 0, "reused_bytes": 0 },
+            "hops": [], "stages": [],
+            "requests": [{ "id": "r", "label": "r", "ok": true, "error": null, "errors": [],
+                "e2e_ms": 10.0, "hops": [], "stages": [
+                    { "stage": "talker", "participated": true, "error": null,
+                      "received": { "hop": "thinker_to_talker", "tensors": 5, "landed_bytes": 1,
+                        "reused_bytes": 0, "handoff_ms": 2.0, "verify_ms": 0.1 },
+                      "sent": { "hop": "talker_to_code2wav", "tensors": 1, "requests": 1,
+                        "bytes": 1, "transfer_ms": 0.5 },
+                      "compute_ms": 1.5, "total_ms": 9.0 } ] }]
+        }))
+        .unwrap();
+        let spans = stage_spans(&r);
+        let (stage, start, recv, comp, send) = &spans[0].1[0];
+        assert_eq!(stage, "talker");
+        assert_eq!((*start, *recv, *comp, *send), (5.0, 2.0, 1.5, 0.5));
+    }
 }
