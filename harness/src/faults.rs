@@ -24,11 +24,77 @@
 use std::collections::BTreeMap;
 
 use omnirig_fixtures::PayloadKind;
-use omnirig_transports::{FaultKind, FaultPoint, FaultRule};
+use std::sync::{Arc, Mutex};
+
+use omnirig_transports::transport::BoxFuture;
+use omnirig_transports::{
+    ErrorKind, FaultKind, FaultPoint, FaultRule, InProcessStore, MetadataStore, SegmentDescriptor,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{HarnessError, Result};
 use crate::scenario::PlannedRequest;
+
+/// Faults outside the transport: in the control messages and pools of the connectors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HarnessFault {
+    /// The producer sends half of the packet v1 sidecar (stage hops).
+    TruncatedSidecar,
+    /// The producer's sidecar says `packet_version: 2` (stage hops).
+    UnknownVersionSidecar,
+    /// The producer's sidecar gives a tensor a byte length its dtype and shape do not have
+    /// (stage hops).
+    InconsistentSidecar,
+    /// The consumer grants one byte less than it tells the producer (stage and KV hops).
+    GrantOutOfBounds,
+    /// The consumer revokes its grants as soon as it has sent them (stage and KV hops).
+    GrantRevoked,
+    /// The consumer's destination pool has no room for the request (stage and KV hops).
+    PoolExhausted,
+}
+
+impl HarnessFault {
+    pub fn name(self) -> &'static str {
+        match self {
+            HarnessFault::TruncatedSidecar => "truncated_sidecar",
+            HarnessFault::UnknownVersionSidecar => "unknown_version_sidecar",
+            HarnessFault::InconsistentSidecar => "inconsistent_sidecar",
+            HarnessFault::GrantOutOfBounds => "grant_out_of_bounds",
+            HarnessFault::GrantRevoked => "grant_revoked",
+            HarnessFault::PoolExhausted => "pool_exhausted",
+        }
+    }
+
+    fn sidecar(self) -> bool {
+        matches!(
+            self,
+            HarnessFault::TruncatedSidecar
+                | HarnessFault::UnknownVersionSidecar
+                | HarnessFault::InconsistentSidecar
+        )
+    }
+}
+
+/// A fault in the transport (the engine's decorator) or in the connectors.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum AnyFault {
+    Transport(FaultKind),
+    Harness(HarnessFault),
+}
+
+impl AnyFault {
+    pub fn name(self) -> &'static str {
+        match self {
+            AnyFault::Transport(k) => k.name(),
+            AnyFault::Harness(h) => h.name(),
+        }
+    }
+}
+
+/// Connector faults by (hop, request id).
+pub type HarnessFaults = std::collections::HashMap<(String, String), HarnessFault>;
 
 /// One scripted fault.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -40,10 +106,16 @@ pub struct FaultSpec {
     pub request: usize,
     #[serde(default)]
     pub tensor: Option<String>,
+    /// Where a transport fault strikes (connector faults ignore it).
+    #[serde(default = "before_submit")]
     pub at: FaultPoint,
-    pub kind: FaultKind,
+    pub kind: AnyFault,
     #[serde(default = "one")]
     pub times: usize,
+}
+
+fn before_submit() -> FaultPoint {
+    FaultPoint::BeforeSubmit
 }
 
 fn one() -> usize {
@@ -93,6 +165,8 @@ pub struct FaultTarget {
 pub struct CompiledFaults {
     /// By hop (payload kind name).
     pub rules: BTreeMap<&'static str, Vec<FaultRule>>,
+    /// Connector faults, consulted by the stage workers.
+    pub harness: HarnessFaults,
     pub targets: Vec<FaultTarget>,
 }
 
@@ -146,6 +220,8 @@ pub fn compile(
     requests: &[PlannedRequest],
 ) -> Result<CompiledFaults> {
     let mut out = CompiledFaults::default();
+    let mut harness = HarnessFaults::new();
+    let mut harness_targets = Vec::new();
     let mut add =
         |hop: PayloadKind, r: &PlannedRequest, tensor: &str, at, kind: FaultKind, times| {
             let rule = FaultRule {
@@ -195,7 +271,29 @@ pub fn compile(
         if s.times == 0 {
             return Err(bad(format!("faults[{i}].times must be at least 1")));
         }
-        add(kind, r, &tensor, s.at, s.kind, s.times);
+        match s.kind {
+            AnyFault::Transport(k) => add(kind, r, &tensor, s.at, k, s.times),
+            AnyFault::Harness(h) => {
+                let stage_hop = matches!(
+                    kind,
+                    PayloadKind::ThinkerToTalker | PayloadKind::TalkerToCode2wav
+                );
+                if !(stage_hop || (kind == PayloadKind::KvCache && !h.sidecar())) {
+                    return Err(bad(format!(
+                        "faults[{i}]: {} does not apply to the {} hop",
+                        h.name(),
+                        s.hop
+                    )));
+                }
+                harness.insert((kind.as_str().to_string(), r.id.clone()), h);
+                harness_targets.push(FaultTarget {
+                    hop: kind.as_str().into(),
+                    request: r.id.clone(),
+                    tensor: String::new(),
+                    kind: h.name().into(),
+                });
+            }
+        }
     }
     if let Some(rf) = random {
         if !(0.0..=1.0).contains(&rf.fraction) {
@@ -239,7 +337,80 @@ pub fn compile(
             add(hop.payload_kind, r, &t.name, at, kind, 1);
         }
     }
+    out.harness = harness;
+    out.targets.extend(harness_targets);
     Ok(out)
+}
+
+/// A metadata store that can go wrong after engines have started: lookups fail
+/// (`Unavailable`), or return an endpoint where nobody listens (`Misdirect`: the peer is
+/// unreachable at connect). Publishing always works, so engines start.
+pub struct FaultyStore {
+    inner: Arc<InProcessStore>,
+    mode: Mutex<StoreFault>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreFault {
+    Healthy,
+    Unavailable,
+    Misdirect,
+}
+
+impl FaultyStore {
+    pub fn new(mode: StoreFault) -> Arc<Self> {
+        Arc::new(Self {
+            inner: InProcessStore::new(),
+            mode: Mutex::new(mode),
+        })
+    }
+
+    pub fn set(&self, mode: StoreFault) {
+        *self.mode.lock().unwrap_or_else(|p| p.into_inner()) = mode;
+    }
+
+    fn mode(&self) -> StoreFault {
+        *self.mode.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl MetadataStore for FaultyStore {
+    fn publish(&self, desc: SegmentDescriptor) -> BoxFuture<'_, omnirig_transports::Result<()>> {
+        self.inner.publish(desc)
+    }
+
+    fn lookup(
+        &self,
+        name: &str,
+    ) -> BoxFuture<'_, omnirig_transports::Result<Option<SegmentDescriptor>>> {
+        let name = name.to_owned();
+        Box::pin(async move {
+            match self.mode() {
+                StoreFault::Healthy => self.inner.lookup(&name).await,
+                StoreFault::Unavailable => Err(omnirig_transports::Error::new(
+                    ErrorKind::Metadata,
+                    "fault injected: metadata store unavailable",
+                )),
+                StoreFault::Misdirect => {
+                    // A port that was just free: nobody listens there.
+                    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+                        .and_then(|l| l.local_addr())
+                        .map_err(|e| {
+                            omnirig_transports::Error::new(ErrorKind::Io, e.to_string())
+                        })?;
+                    Ok(self.inner.lookup(&name).await?.map(|d| SegmentDescriptor {
+                        instance: d.instance ^ 0x5eed,
+                        tcp: Some(dead),
+                        ..d
+                    }))
+                }
+            }
+        })
+    }
+
+    fn remove(&self, name: &str, instance: u64) -> BoxFuture<'_, omnirig_transports::Result<()>> {
+        self.inner.remove(name, instance)
+    }
 }
 
 #[cfg(test)]
@@ -270,7 +441,7 @@ mod tests {
             request,
             tensor: tensor.map(Into::into),
             at: FaultPoint::BeforeSubmit,
-            kind: FaultKind::Stall,
+            kind: AnyFault::Transport(FaultKind::Stall),
             times: 1,
         };
         let c = compile(&[spec(1, None)], None, &reqs).unwrap();
@@ -310,11 +481,15 @@ mod tests {
         let yaml = "hop: kv_cache\nrequest: 0\nat: { after_bytes: 65536 }\nkind: drop_connection\n";
         let s: FaultSpec = serde_saphyr::from_str(yaml).unwrap();
         assert_eq!(s.at, FaultPoint::AfterBytes(65536));
-        assert_eq!(s.kind, FaultKind::DropConnection);
+        assert_eq!(s.kind, AnyFault::Transport(FaultKind::DropConnection));
         let s: FaultSpec = serde_saphyr::from_str(
             "hop: thinker_to_talker\nrequest: 1\nat: before_submit\nkind: { delay: { ms: 5 } }\n",
         )
         .unwrap();
-        assert_eq!(s.kind, FaultKind::Delay { ms: 5 });
+        assert_eq!(s.kind, AnyFault::Transport(FaultKind::Delay { ms: 5 }));
+        let s: FaultSpec =
+            serde_saphyr::from_str("hop: thinker_to_talker\nrequest: 1\nkind: truncated_sidecar\n")
+                .unwrap();
+        assert_eq!(s.kind, AnyFault::Harness(HarnessFault::TruncatedSidecar));
     }
 }

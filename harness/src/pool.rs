@@ -149,6 +149,11 @@ impl Pool {
     }
 
     /// (bytes, ranges) reserved now.
+    /// Bytes the pool can ever hold.
+    pub fn capacity(&self) -> u64 {
+        self.lock().capacity()
+    }
+
     pub fn usage(&self) -> (u64, usize) {
         let a = self.lock();
         (a.used(), a.live())

@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
 use omnirig_transports::{
-    Engine, EngineConfig, FaultInjector, InProcessStore, TransportDecorator, TransportPolicy,
+    Engine, EngineConfig, FaultInjector, InProcessStore, MetadataStore, TransportDecorator,
+    TransportPolicy,
 };
 
 use crate::control::Link;
@@ -26,6 +27,7 @@ pub struct Runner {
     processes: Option<PathBuf>,
     progress: bool,
     decorators: Decorators,
+    store: Option<Arc<dyn MetadataStore>>,
 }
 
 impl std::fmt::Debug for Runner {
@@ -73,9 +75,10 @@ pub async fn local_stages(
     scenario: &Scenario,
     plans: &[&RequestPlan],
     decorators: &Decorators,
+    store: Option<Arc<dyn MetadataStore>>,
 ) -> Result<Vec<StageWorker>> {
     let sizes = scenario.pool_sizes(plans);
-    let store = InProcessStore::new();
+    let store = store.unwrap_or_else(|| InProcessStore::new() as Arc<dyn MetadataStore>);
     let tag = format!(
         "r{}x{}",
         std::process::id(),
@@ -131,6 +134,7 @@ impl Runner {
             processes: None,
             progress: false,
             decorators: Decorators::new(),
+            store: None,
         }
     }
 
@@ -138,6 +142,13 @@ impl Runner {
     /// e.g. to inject faults.
     pub fn decorate(mut self, hop: PayloadKind, d: TransportDecorator) -> Self {
         self.decorators.insert(hop.as_str(), d);
+        self
+    }
+
+    /// The metadata store the stages' engines use (in-process runs; default: a fresh
+    /// in-process store), e.g. one that fails on purpose.
+    pub fn metadata(mut self, store: Arc<dyn MetadataStore>) -> Self {
+        self.store = Some(store);
         self
     }
 
@@ -182,7 +193,7 @@ impl Runner {
         let (stages, mode) = match &self.processes {
             None => (
                 Stages::Local(Arc::new(
-                    local_stages(&self.scenario, &plans, &decorators).await?,
+                    local_stages(&self.scenario, &plans, &decorators, self.store.clone()).await?,
                 )),
                 "in_process",
             ),

@@ -432,6 +432,13 @@ impl Scenario {
             request_timeout: Duration::from_secs_f64(self.request_timeout_s),
             prefix_cache: self.prefix_cache,
             sizes,
+            // Validated with the scenario; a scenario built in code without faults has none.
+            faults: Arc::new(
+                self.expand()
+                    .and_then(|r| self.compile_faults(&r))
+                    .map(|c| c.harness)
+                    .unwrap_or_default(),
+            ),
         }
     }
 

@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use crate::control::{Link, Msg, NamedDigest, NamedGrant};
 use crate::ec::{EcAcquire, EcSlot, EncoderCache};
 use crate::error::{HarnessError, Result};
-use crate::faults::fault_tag;
+use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
 use crate::kv::{
     BlockPool, KvGeometry, KvGrant, KvReservation, block_hash, contiguous_runs, plan_kv_writes,
 };
@@ -56,6 +56,8 @@ pub struct StageConfig {
     pub request_timeout: Duration,
     pub prefix_cache: bool,
     pub sizes: PoolSizes,
+    /// Connector faults this run injects (see [`crate::faults::HarnessFault`]).
+    pub faults: Arc<HarnessFaults>,
 }
 
 /// The hop a stage receives, if any.
@@ -537,6 +539,14 @@ impl StageWorker {
         Ok(())
     }
 
+    /// The connector fault scripted for this hop and request, if any.
+    fn fault(&self, hop: &Hop, rid: &str) -> Option<HarnessFault> {
+        self.cfg
+            .faults
+            .get(&(hop.payload_kind.as_str().to_string(), rid.to_string()))
+            .copied()
+    }
+
     fn timeout(&self) -> Duration {
         self.cfg.hop_timeout
     }
@@ -665,8 +675,14 @@ impl StageWorker {
                     grants: vec![],
                 };
                 let first_block = held.blocks.len() as u32;
+                let fault = self.fault(hop, rid);
+                // An exhausted pool: ask for more blocks than it will ever have.
+                let want = match fault {
+                    Some(HarnessFault::PoolExhausted) => kv.geo.capacity as usize + 1,
+                    _ => n - held.blocks.len(),
+                };
                 let tail = kv
-                    .alloc(n - held.blocks.len(), self.timeout())
+                    .alloc(want, self.timeout())
                     .await
                     .map_err(|e| refuse(hop_err(None, &e)))?;
                 held.blocks.extend_from_slice(&tail);
@@ -675,21 +691,25 @@ impl StageWorker {
                 for layer in 0..layout.num_layers {
                     for v in [false, true] {
                         for (start, id, len) in contiguous_runs(&tail) {
+                            let bytes = u64::from(len) * bb;
+                            let short = fault == Some(HarnessFault::GrantOutOfBounds);
                             let g = engine
                                 .grant(
                                     &kv.buffer,
                                     kv.geo.offset(layer, v, id),
-                                    u64::from(len) * bb,
+                                    if short { bytes - 1 } else { bytes },
                                     Access::Write,
                                 )
                                 .map_err(|e| refuse(hop_err(None, &e)))?;
                             held.grants.push(g.clone());
+                            // Out of bounds: the producer is told one byte more than granted.
+                            let told = Grant { len: bytes, ..g };
                             grants.push(KvGrant {
                                 layer,
                                 v,
                                 start,
                                 len,
-                                grant: g,
+                                grant: told,
                             });
                         }
                     }
@@ -702,6 +722,11 @@ impl StageWorker {
                         grants,
                     },
                 })?;
+                if fault == Some(HarnessFault::GrantRevoked) {
+                    for g in &held.grants {
+                        engine.revoke(g);
+                    }
+                }
                 let reply = link.recv(rid, self.timeout()).await;
                 for g in held.grants.drain(..) {
                     engine.revoke(&g);
@@ -761,26 +786,51 @@ impl StageWorker {
                 };
                 let mut grants = Vec::new();
                 let mut leases = Vec::new();
+                let fault = self.fault(hop, rid);
                 for t in &hop.tensors {
+                    // An exhausted pool: a reservation larger than the pool will ever have.
+                    let want = match fault {
+                        Some(HarnessFault::PoolExhausted) => pool.capacity() + 1,
+                        _ => t.byte_length,
+                    };
                     let lease = pool
-                        .reserve(t.byte_length, self.timeout())
+                        .reserve(want, self.timeout())
                         .await
                         .map_err(|e| refuse(hop_err(Some(&t.name), &e)))?;
+                    let short = fault == Some(HarnessFault::GrantOutOfBounds) && t.byte_length > 1;
                     let g = engine
-                        .grant(&pool.buffer, lease.offset, t.byte_length, Access::Write)
+                        .grant(
+                            &pool.buffer,
+                            lease.offset,
+                            if short {
+                                t.byte_length - 1
+                            } else {
+                                t.byte_length
+                            },
+                            Access::Write,
+                        )
                         .map_err(|e| refuse(hop_err(Some(&t.name), &e)))?;
                     held.grants.push(g.clone());
                     leases.push(lease.offset);
                     held._leases.push(lease);
+                    // Out of bounds: the producer is told one byte more than granted.
                     grants.push(NamedGrant {
                         tensor: t.name.clone(),
-                        grant: g,
+                        grant: Grant {
+                            len: t.byte_length,
+                            ..g
+                        },
                     });
                 }
                 link.send(Msg::StageReserve {
                     request: rid.into(),
                     grants,
                 })?;
+                if fault == Some(HarnessFault::GrantRevoked) {
+                    for g in &held.grants {
+                        engine.revoke(g);
+                    }
+                }
                 let reply = link.recv(rid, self.timeout()).await;
                 for g in held.grants.drain(..) {
                     engine.revoke(&g);
@@ -1194,9 +1244,13 @@ impl StageWorker {
                         }
                     })
                     .collect();
-                let packet = Packet::new(rid, hop.payload_kind, 0, true, entries)
-                    .to_msgpack()
-                    .map_err(|e| (vec![], hop_err(None, &e)))?;
+                let packet = Packet::new(rid, hop.payload_kind, 0, true, entries);
+                let packet = match self.fault(hop, rid) {
+                    Some(f) => faulty_sidecar(f, packet),
+                    None => packet
+                        .to_msgpack()
+                        .map_err(|e| (vec![], hop_err(None, &e)))?,
+                };
                 Msg::Packet {
                     request: rid.into(),
                     packet,
@@ -1312,5 +1366,28 @@ impl StageWorker {
             });
         }
         u
+    }
+}
+
+/// The sidecar a faulty producer sends instead of the real one.
+fn faulty_sidecar(fault: HarnessFault, mut packet: Packet) -> Vec<u8> {
+    let encode = |p: &Packet| rmp_serde::to_vec_named(p).expect("a packet always encodes");
+    match fault {
+        HarnessFault::TruncatedSidecar => {
+            let mut b = encode(&packet);
+            b.truncate(b.len() / 2);
+            b
+        }
+        HarnessFault::UnknownVersionSidecar => {
+            packet.packet_version = 2;
+            encode(&packet)
+        }
+        HarnessFault::InconsistentSidecar => {
+            if let Some(e) = packet.entries.first_mut() {
+                e.byte_length += 2;
+            }
+            encode(&packet)
+        }
+        _ => encode(&packet),
     }
 }

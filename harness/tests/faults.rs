@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use omnirig_fixtures::PayloadKind;
 use omnirig_fixtures::RequestSpec;
-use omnirig_harness::faults::{FaultSpec, RandomFaults, failing_kinds};
+use omnirig_harness::faults::{
+    AnyFault, FaultSpec, FaultyStore, RandomFaults, StoreFault, failing_kinds,
+};
 use omnirig_harness::scenario::{RequestEntry, Scenario};
 use omnirig_harness::{Report, Runner};
 use omnirig_transports::{FaultKind, FaultPoint};
@@ -125,7 +127,7 @@ async fn faults_matrix(
         request: 0,
         tensor: None,
         at: FaultPoint::AfterBytes(4096),
-        kind,
+        kind: AnyFault::Transport(kind),
         times: 1,
     };
     let r = run(scenario(transport, vec![fault])).await;
@@ -183,7 +185,7 @@ async fn faults_strike_the_same_bytes_every_run() {
         request: 0,
         tensor: Some("kv.layer.7.v".into()),
         at: FaultPoint::AfterBytes(100_000),
-        kind: FaultKind::Corrupt,
+        kind: AnyFault::Transport(FaultKind::Corrupt),
         times: 1,
     };
     let a = run(scenario("loopback", vec![fault.clone()])).await;
@@ -239,4 +241,70 @@ async fn faults_at_random_fail_exactly_their_requests() {
     );
     assert_late_bytes_refused(&r);
     let _ = Duration::ZERO;
+}
+
+/// Faults outside the transport: sidecars, grants and pools in the connectors.
+#[rstest]
+#[case::t2t_truncated("thinker_to_talker", "truncated_sidecar", "bad_sidecar")]
+#[case::t2t_unknown_version("thinker_to_talker", "unknown_version_sidecar", "bad_sidecar")]
+#[case::t2t_inconsistent("thinker_to_talker", "inconsistent_sidecar", "bad_sidecar")]
+#[case::t2c_truncated("talker_to_code2wav", "truncated_sidecar", "bad_sidecar")]
+#[case::t2c_unknown_version("talker_to_code2wav", "unknown_version_sidecar", "bad_sidecar")]
+#[case::t2c_inconsistent("talker_to_code2wav", "inconsistent_sidecar", "bad_sidecar")]
+#[case::t2t_grant_oob("thinker_to_talker", "grant_out_of_bounds", "grant_refused")]
+#[case::t2c_grant_revoked("talker_to_code2wav", "grant_revoked", "grant_refused")]
+#[case::kv_grant_oob("kv_cache", "grant_out_of_bounds", "grant_refused")]
+#[case::kv_grant_revoked("kv_cache", "grant_revoked", "grant_refused")]
+#[case::t2t_pool("thinker_to_talker", "pool_exhausted", "pool_exhausted")]
+#[case::kv_pool("kv_cache", "pool_exhausted", "pool_exhausted")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_in_connectors(
+    #[values("loopback", "tcp")] transport: &str,
+    #[case] hop: &str,
+    #[case] kind: &str,
+    #[case] want: &str,
+) {
+    let yaml = format!("hop: {hop}\nrequest: 0\nkind: {kind}\n");
+    let fault: FaultSpec = serde_saphyr::from_str(&yaml).unwrap();
+    let r = run(scenario(transport, vec![fault])).await;
+    let q = &r.requests[0];
+    assert!(!q.ok, "{kind} at {hop}: the request went through");
+    let f = q.failure.as_ref().unwrap();
+    assert_eq!(f.kind, want, "{kind} at {hop}: {:?}", q.error);
+    assert_eq!(f.hop.as_deref(), Some(hop), "{:?}", q.error);
+    let behind = PayloadKind::parse(hop, "hop").unwrap().target().as_str();
+    let from = q.stages.iter().position(|s| s.stage == behind).unwrap();
+    for s in &q.stages[from..] {
+        assert!(s.received.is_none(), "{} started on partial data", s.stage);
+    }
+    assert!(
+        q.e2e_ms <= HOP_TIMEOUT_S * 1000.0 + SLACK_MS,
+        "detected after {} ms",
+        q.e2e_ms
+    );
+    assert_healthy_ones_exact(&r);
+}
+
+/// The metadata store fails after the engines started, or sends producers to an endpoint
+/// where nobody listens: every request fails with that cause, nothing hangs or leaks.
+#[rstest]
+#[case::unavailable("loopback", StoreFault::Unavailable, "metadata")]
+#[case::unreachable("tcp", StoreFault::Misdirect, "unreachable")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_in_the_metadata_store(
+    #[case] transport: &str,
+    #[case] mode: StoreFault,
+    #[case] want: &str,
+) {
+    let store = FaultyStore::new(mode);
+    let r = Runner::new(scenario(transport, vec![]))
+        .metadata(store)
+        .run()
+        .await
+        .unwrap();
+    assert!(r.summary.pools_clean, "{:?}", r.stages);
+    for q in &r.requests {
+        assert!(!q.ok);
+        assert_eq!(q.failure.as_ref().unwrap().kind, want, "{:?}", q.error);
+    }
 }
