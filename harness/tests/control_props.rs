@@ -331,12 +331,12 @@ fn mutation() -> impl Strategy<Value = Mutation> {
     // Positions are reduced modulo the current length when applied.
     let at = any::<usize>();
     prop_oneof![
-        4 => (at.clone(), 0u8..8).prop_map(|(at, bit)| Mutation::Flip { at, bit }),
+        4 => (at, 0u8..8).prop_map(|(at, bit)| Mutation::Flip { at, bit }),
         // msgpack markers that matter: 32-bit lengths, wide ints, floats, nil, bool.
-        3 => (at.clone(), prop_oneof![any::<u8>(), Just(0xdd), Just(0xdf), Just(0xdb), Just(0xc6),
+        3 => (at, prop_oneof![any::<u8>(), Just(0xdd), Just(0xdf), Just(0xdb), Just(0xc6),
               Just(0xcf), Just(0xd3), Just(0xcb), Just(0xc0), Just(0xc3), Just(0xff)])
             .prop_map(|(at, byte)| Mutation::Set { at, byte }),
-        2 => (at.clone(), any::<u8>()).prop_map(|(at, byte)| Mutation::Insert { at, byte }),
+        2 => (at, any::<u8>()).prop_map(|(at, byte)| Mutation::Insert { at, byte }),
         2 => at.clone().prop_map(|at| Mutation::Remove { at }),
         1 => at.prop_map(|at| Mutation::Truncate { at }),
     ]
