@@ -337,7 +337,7 @@ fn mutation() -> impl Strategy<Value = Mutation> {
               Just(0xcf), Just(0xd3), Just(0xcb), Just(0xc0), Just(0xc3), Just(0xff)])
             .prop_map(|(at, byte)| Mutation::Set { at, byte }),
         2 => (at, any::<u8>()).prop_map(|(at, byte)| Mutation::Insert { at, byte }),
-        2 => at.clone().prop_map(|at| Mutation::Remove { at }),
+        2 => at.prop_map(|at| Mutation::Remove { at }),
         1 => at.prop_map(|at| Mutation::Truncate { at }),
     ]
 }
