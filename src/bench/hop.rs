@@ -898,17 +898,31 @@ pub fn verdicts(r: &Results) -> Vec<String> {
         "kv" => &[("pickle", 3.0), ("pickle5-oob", 1.0)],
         _ => &[],
     };
+    // Judged on the p50 round trip (the typical handoff; a shared VM's stalls land in the
+    // mean and p99, which are printed too).
+    let p50x = |x: &Row| x.baseline.p50_us / x.omnirig.p50_us;
     for &(base, need) in targets {
-        if let Some(min) = tcp(base).min_by(|a, b| a.ratio.total_cmp(&b.ratio)) {
+        if let Some(min) = tcp(base).min_by(|a, b| p50x(a).total_cmp(&p50x(b))) {
             out.push(format!(
-                "{hop} >= {need}x {base} (hop round trip, every control message, tcp): {} (lowest {:.2}x: {} {}, {:.1} us vs {:.1} us p50)",
-                if min.ratio >= need { "met" } else { "MISSED" },
-                min.ratio,
+                "{hop} >= {need}x {base} (p50 round trip incl. every control message, tcp, two processes): {} (lowest {:.2}x: {} {}, {:.1} us vs {:.1} us; mean-rate ratio {:.2}x)",
+                if p50x(min) >= need { "met" } else { "MISSED" },
+                p50x(min),
                 min.case.as_deref().unwrap_or("?"),
-                human_size(min.size),
+                super::human_size_approx(min.size),
                 min.omnirig.p50_us,
                 min.baseline.p50_us,
+                min.ratio,
             ));
+            for x in tcp(base).filter(|x| !std::ptr::eq(*x, min)) {
+                out.push(format!(
+                    "  {} {}: {:.2}x p50 ({:.1} us vs {:.1} us)",
+                    x.case.as_deref().unwrap_or("?"),
+                    super::human_size_approx(x.size),
+                    p50x(x),
+                    x.omnirig.p50_us,
+                    x.baseline.p50_us
+                ));
+            }
         }
     }
     if targets.is_empty() {
