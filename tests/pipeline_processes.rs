@@ -103,3 +103,59 @@ fn run_fails_with_a_named_error_loopback() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A stage process SIGKILLed mid-run: the run still ends, promptly, with every request
+/// accounted for (ok, or failed naming what broke), the non-zero exit status, and every
+/// surviving stage's pools and engines back to zero. Test name says "faults" so that
+/// `cargo test faults` runs it with the fault matrix.
+#[test]
+fn faults_a_killed_stage_process_fails_cleanly() {
+    let dir = out_dir("killed");
+    std::fs::create_dir_all(&dir).unwrap();
+    let scenario = dir.join("scenario.yaml");
+    std::fs::write(
+        &scenario,
+        "name: killed\nconcurrency: 2\nhop_timeout_s: 5\nrequest_timeout_s: 20\n\
+         kill_stage: { stage: thinker_decode, after_ms: 300 }\n\
+         requests:\n  - case: video_large_kv\n    repeat: 4\n    vary_seed: true\n",
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args(["run", "--processes", "--quiet", "--report"])
+        .arg(&dir)
+        .arg(&scenario)
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(took < std::time::Duration::from_secs(90), "took {took:?}");
+    let report: omnirig_harness::Report =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report.requests.len(), 4);
+    assert!(
+        report.summary.failed > 0,
+        "nothing failed although decode was killed"
+    );
+    for q in report.requests.iter().filter(|q| !q.ok) {
+        let e = q.error.as_deref().unwrap();
+        // The dead stage's peers see its connections close: the error says which channel or
+        // hop, and that the other side went away.
+        let named = ["closed", "disconnected", "process", "timed out"]
+            .iter()
+            .any(|w| e.contains(w));
+        assert!(named, "{}: {e}", q.id);
+    }
+    for s in &report.stages {
+        if s.stage != "thinker_decode" {
+            assert!(s.is_clean(), "{} leaked: {s:?}", s.stage);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -40,7 +40,7 @@ type Hello = (Link, Option<String>, Option<String>, String);
 /// The orchestrator's handle on five stage processes.
 pub struct Remote {
     links: Vec<(Stage, Link)>,
-    children: tokio::sync::Mutex<Vec<Child>>,
+    children: Arc<tokio::sync::Mutex<Vec<Child>>>,
     timeout: Duration,
 }
 
@@ -106,9 +106,22 @@ impl Remote {
                 }
             }
         }
+        let children = Arc::new(tokio::sync::Mutex::new(children));
+        if let Some(k) = &scenario.kill_stage {
+            // Chaos: SIGKILL one stage mid-run. The timer is the fault, not a synchronisation.
+            let st = Stage::parse(&k.stage, "kill_stage.stage")?;
+            let i = Stage::ALL.iter().position(|s| *s == st).expect("every stage is spawned");
+            let (children, after) = (children.clone(), Duration::from_millis(k.after_ms));
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                tracing::warn!(stage = %st, "kill_stage: sending SIGKILL");
+                // tokio's start_kill is SIGKILL on Unix.
+                let _ = children.lock().await[i].start_kill();
+            });
+        }
         Ok(Remote {
             links,
-            children: tokio::sync::Mutex::new(children),
+            children,
             // Each stage bounds its own waits by the hop timeout and always answers; this
             // only catches a stage process that hangs (one that dies closes its link at once).
             timeout: IDLE_TIMEOUT,

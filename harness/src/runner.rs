@@ -172,6 +172,11 @@ impl Runner {
         let requests = self.scenario.expand()?;
         let plans: Vec<&RequestPlan> = requests.iter().map(|r| &r.plan).collect();
         let faults = self.scenario.compile_faults(&requests)?;
+        if self.scenario.kill_stage.is_some() && self.processes.is_none() {
+            return Err(HarnessError::Setup(
+                "kill_stage needs --processes: it kills a stage's OS process".into(),
+            ));
+        }
         if !faults.is_empty() && self.processes.is_some() {
             return Err(HarnessError::Setup(
                 "fault plans run in-process only; drop --processes or the scenario's faults".into(),

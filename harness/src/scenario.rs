@@ -106,6 +106,17 @@ pub struct Scenario {
     /// Faults on a seeded random fraction of the requests.
     #[serde(default)]
     pub random_faults: Option<RandomFaults>,
+    /// `--processes` runs only: SIGKILL one stage's process this long after the run starts.
+    #[serde(default)]
+    pub kill_stage: Option<KillStage>,
+}
+
+/// A stage process to kill mid-run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KillStage {
+    pub stage: String,
+    pub after_ms: u64,
 }
 
 /// When requests start. `closed`: as soon as fewer than `concurrency` are in
@@ -262,6 +273,7 @@ impl Scenario {
             }],
             faults: vec![],
             random_faults: None,
+            kill_stage: None,
         }
     }
 
@@ -317,6 +329,9 @@ impl Scenario {
                     format!("requests[{i}].repeat must be at least 1"),
                 ));
             }
+        }
+        if let Some(k) = &self.kill_stage {
+            Stage::parse(&k.stage, "kill_stage.stage").map_err(|e| bad(source, e.to_string()))?;
         }
         let requests = self.expand().map_err(|e| bad(source, e.to_string()))?;
         self.compile_faults(&requests)
