@@ -24,6 +24,7 @@ pub mod control;
 pub mod ec;
 pub mod error;
 pub mod faults;
+pub mod inline;
 pub mod kv;
 pub mod pool;
 pub mod process;

@@ -36,6 +36,7 @@ use omnirig_fixtures::{
 };
 use omnirig_harness::Scenario;
 use omnirig_harness::control::{Link, Msg, NamedDigest, NamedGrant};
+use omnirig_harness::inline::{InlineHandler, InlineReceiver, InlineSender};
 use omnirig_harness::pool::{Lease, Pool};
 use omnirig_transports::{
     Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig,
@@ -167,6 +168,9 @@ pub struct Producer {
     pub src: Buffer,
     /// Payloads of at most this many bytes travel inline in the packet (0: never).
     pub inline_below: u64,
+    /// The peer's inline channel ([`omnirig_harness::inline`]); without it inline payloads
+    /// ride the control channel.
+    pub inline: Option<Arc<InlineSender>>,
 }
 
 fn hop_uses_packet(kind: PayloadKind) -> bool {
@@ -199,6 +203,19 @@ impl Producer {
     /// One hop round trip: offer, reservation, write, packet/finish, ack.
     pub async fn send(&self, rid: &str, p: &HopPayload) -> anyhow::Result<()> {
         let link = &self.link;
+        if p.total <= self.inline_below
+            && let Some(inline) = &self.inline
+        {
+            // One round trip on the busy-polled inline channel; its status is the ack.
+            let sidecar = Packet::new(rid, p.kind, 0, true, self.entries(p, None)).to_msgpack()?;
+            let mut bytes = Vec::with_capacity(p.total as usize);
+            for (t, off, _) in &p.tensors {
+                self.src
+                    .view(*off, t.byte_length, |b| bytes.extend_from_slice(b))?;
+            }
+            inline.send(&sidecar, &[&bytes])?;
+            return Ok(());
+        }
         if p.total <= self.inline_below {
             // Inline: sidecar + bytes in one control message.
             let mut body = Vec::with_capacity(p.total as usize + 512);
@@ -473,6 +490,38 @@ async fn consume(
 pub struct PeerHello {
     pub engine: SocketAddr,
     pub control: SocketAddr,
+    /// The inline channel for small payloads.
+    pub inline: SocketAddr,
+}
+
+/// Busy-poll window of the inline channel (the engine's tcp transport uses the same).
+pub const INLINE_SPIN: Duration = Duration::from_micros(50);
+
+/// The consumer's side of the inline channel: lands every entry in the pool, checks its
+/// digest (a few KiB: cheap), and frees the range (the stage would hold it for the request).
+pub fn inline_handler(pool: Arc<Pool>, rt: tokio::runtime::Handle) -> InlineHandler {
+    Arc::new(move |p: Packet, bytes: &[u8]| {
+        let mut at = 0usize;
+        for e in &p.entries {
+            let n = e.byte_length as usize;
+            let lease = rt
+                .block_on(pool.reserve(e.byte_length, HOP_TIMEOUT))
+                .map_err(|x| x.to_string())?;
+            let b = &bytes[at..at + n];
+            pool.buffer
+                .write(lease.offset, b)
+                .map_err(|x| x.to_string())?;
+            let d = pool
+                .buffer
+                .view(lease.offset, e.byte_length, Digest128::of_bytes)
+                .map_err(|x| x.to_string())?;
+            if d != e.digest {
+                return Err(format!("{}: landed bytes differ from the digest", e.name));
+            }
+            at += n;
+        }
+        Ok(())
+    })
 }
 
 /// `omnirig bench hop-peer`: a consumer stage in its own process (engine over tcp, control
@@ -492,10 +541,16 @@ pub fn serve_peer(pool_bytes: u64, tcp: TcpConfig) -> anyhow::Result<()> {
         );
         let pool = Pool::new(&engine, "bench.in", pool_bytes)?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let inline = InlineReceiver::bind(INLINE_SPIN)?;
         let hello = PeerHello {
             engine: engine.tcp_addr().context("engine has no tcp endpoint")?,
             control: listener.local_addr()?,
+            inline: inline.local_addr()?,
         };
+        inline.serve(inline_handler(
+            pool.clone(),
+            tokio::runtime::Handle::current(),
+        ));
         println!("{}", serde_json::to_string(&hello)?);
         std::thread::spawn(|| {
             let mut sink = Vec::new();
@@ -574,6 +629,7 @@ pub async fn connect_producer(
         link: Link::tcp("hop", stream),
         src,
         inline_below,
+        inline: Some(Arc::new(InlineSender::connect(peer.inline, INLINE_SPIN)?)),
     })
 }
 
@@ -791,6 +847,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
                 link: pl,
                 src: lsrc,
                 inline_below: o.inline_below,
+                inline: None,
             },
             lp,
             task,
@@ -995,6 +1052,7 @@ mod tests {
                 link: pl,
                 src,
                 inline_below: inline,
+                inline: None,
             };
             announce(&prod.link, "r", &ps[0]).unwrap();
             for _ in 0..3 {
@@ -1005,5 +1063,74 @@ mod tests {
             task.await.unwrap().unwrap();
             assert_eq!(pool.usage(), (0, 0));
         }
+    }
+}
+
+#[cfg(test)]
+mod inline_tests {
+    use super::*;
+
+    /// The inline channel lands the bytes and checks them against the sidecar; a digest that
+    /// does not match is refused with the cause, and every range goes back to the pool.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn inline_channel_lands_checks_and_refuses() {
+        let engine = Engine::new(
+            EngineConfig::new("t-inline")
+                .store(InProcessStore::new())
+                .tcp_listen(None),
+        )
+        .await
+        .unwrap();
+        let pool = Pool::new(&engine, "t", 1 << 20).unwrap();
+        let rx = InlineReceiver::bind(INLINE_SPIN).unwrap();
+        let addr = rx.local_addr().unwrap();
+        rx.serve(inline_handler(
+            pool.clone(),
+            tokio::runtime::Handle::current(),
+        ));
+        let tx = InlineSender::connect(addr, INLINE_SPIN).unwrap();
+        let s = Scenario::golden("text_short", "loopback");
+        let cases = scenario_cases(&s, PayloadKind::TalkerToCode2wav).unwrap();
+        let t = &cases[0].2[0];
+        let bytes = generate_tensor(cases[0].1.seed, t);
+        let entry = |d| TensorEntry {
+            name: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            byte_length: t.byte_length,
+            digest: d,
+            transfer_key: None,
+        };
+        let good = Packet::new(
+            "r",
+            PayloadKind::TalkerToCode2wav,
+            0,
+            true,
+            vec![entry(Digest128::of_bytes(&bytes))],
+        )
+        .to_msgpack()
+        .unwrap();
+        let (tx, good2) = tokio::task::spawn_blocking(move || {
+            let r = tx.send(&good, &[&bytes]);
+            (tx, r.map(|()| bytes))
+        })
+        .await
+        .unwrap();
+        let bytes = good2.unwrap();
+        let bad = Packet::new(
+            "r",
+            PayloadKind::TalkerToCode2wav,
+            0,
+            true,
+            vec![entry(Digest128(1))],
+        )
+        .to_msgpack()
+        .unwrap();
+        let e = tokio::task::spawn_blocking(move || tx.send(&bad, &[&bytes]))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(e.to_string().contains("differ"), "{e}");
+        assert_eq!(pool.usage(), (0, 0));
     }
 }

@@ -39,9 +39,10 @@ pub struct CommonArgs {
     /// The baseline program (default: ci/baseline/pickle_hop.py of this checkout).
     #[arg(long)]
     pub script: Option<PathBuf>,
-    /// Payloads of at most this many bytes travel inline in the control message (no
-    /// reservation / grant round trip); 0 turns it off.
-    #[arg(long, default_value = "64K")]
+    /// Payloads of at most this many bytes travel inline (sidecar + bytes in one frame on the
+    /// busy-polled inline channel, omnirig_harness::inline: one round trip instead of the
+    /// reservation / grant / write / packet ones); 0 turns it off.
+    #[arg(long, default_value = "256K")]
     pub inline_below: String,
     /// Write the results as JSON here.
     #[arg(long)]
