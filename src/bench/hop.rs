@@ -213,7 +213,13 @@ impl Producer {
                 self.src
                     .view(*off, t.byte_length, |b| bytes.extend_from_slice(b))?;
             }
-            inline.send(&sidecar, &[&bytes])?;
+            // Synchronous and short; on a multi-thread runtime, let other tasks move off
+            // this worker while it waits for the status.
+            let send = || inline.send(&sidecar, &[&bytes]);
+            match tokio::runtime::Handle::current().runtime_flavor() {
+                tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(send)?,
+                _ => send()?,
+            }
             return Ok(());
         }
         if p.total <= self.inline_below {
@@ -540,6 +546,9 @@ pub fn serve_peer(pool_bytes: u64, tcp: TcpConfig) -> anyhow::Result<()> {
             .await?,
         );
         let pool = Pool::new(&engine, "bench.in", pool_bytes)?;
+        // Touch the pool once, as registration does for RDMA: no first-touch page faults
+        // land in the timed handoffs.
+        pool.buffer.fill(0, pool.buffer.len(), |b| b.fill(0))?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let inline = InlineReceiver::bind(INLINE_SPIN)?;
         let hello = PeerHello {
