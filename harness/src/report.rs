@@ -56,6 +56,9 @@ pub struct Report {
 pub struct Failure {
     pub hop: Option<String>,
     pub tensor: Option<String>,
+    /// The engine peer the failing transfer talked to, when the engine named one; otherwise
+    /// the hop's producing stage.
+    pub peer: Option<String>,
     /// `timed_out`, `peer_disconnected`, `unreachable`, `io`, `corrupt` (bytes or digest
     /// differ from what the producer made), `grant_refused` (revoked, unknown or out of
     /// bounds), `pool_exhausted`, `bad_sidecar`, `refused` (the consumer refused),
@@ -122,9 +125,20 @@ impl Failure {
             .iter()
             .find(|(_, needles)| needles.iter().any(|n| root.contains(n)))
             .map_or("other", |(k, _)| k);
+        let hop = field("hop ");
+        let peer = root
+            .split("(peer ")
+            .nth(1)
+            .map(|p| p.split([',', ')']).next().unwrap_or(p).to_string())
+            .or_else(|| {
+                hop.as_deref()
+                    .and_then(|h| omnirig_fixtures::PayloadKind::parse(h, "hop").ok())
+                    .map(|k| k.source().as_str().to_string())
+            });
         Failure {
-            hop: field("hop "),
+            hop,
             tensor: field("tensor "),
+            peer,
             kind: kind.into(),
         }
     }
