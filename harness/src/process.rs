@@ -110,7 +110,10 @@ impl Remote {
         if let Some(k) = &scenario.kill_stage {
             // Chaos: SIGKILL one stage mid-run. The timer is the fault, not a synchronisation.
             let st = Stage::parse(&k.stage, "kill_stage.stage")?;
-            let i = Stage::ALL.iter().position(|s| *s == st).expect("every stage is spawned");
+            let i = Stage::ALL
+                .iter()
+                .position(|s| *s == st)
+                .expect("every stage is spawned");
             let (children, after) = (children.clone(), Duration::from_millis(k.after_ms));
             tokio::spawn(async move {
                 tokio::time::sleep(after).await;
