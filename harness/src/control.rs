@@ -80,6 +80,8 @@ pub enum Msg {
     /// Stage connector: the packet v1 sidecar (msgpack), sent only after its tensors landed.
     Packet {
         request: String,
+        /// msgpack bin, not an array of integers (which costs microseconds per KiB).
+        #[serde(with = "serde_bytes")]
         packet: Vec<u8>,
     },
     /// ERROR: the named tensors (or blocks) failed to move, and why.
