@@ -26,8 +26,41 @@ use crate::stage::{StageOutcome, StageUsage};
 pub const MAX_FRAME: usize = 4 << 20;
 /// Longest id or name in a message.
 pub const MAX_ID: usize = 1024;
-/// Most items in any list of a message.
-pub const MAX_ITEMS: usize = 1 << 20;
+/// Most items in any list of a message (a KV reservation for the largest golden case has
+/// about 20,000 grants).
+pub const MAX_ITEMS: usize = 1 << 16;
+
+/// Deserializes a list, refusing it as soon as it passes [`MAX_ITEMS`]: checking only after
+/// decoding would let a frame of tiny items allocate tens of times its own size first.
+pub fn bounded<'de, D, T>(d: D) -> std::result::Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct Bounded<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Bounded<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "a list of at most {MAX_ITEMS} items")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Vec<T>, A::Error> {
+            let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+            while let Some(x) = seq.next_element()? {
+                if v.len() == MAX_ITEMS {
+                    return Err(serde::de::Error::custom(format!(
+                        "list exceeds {MAX_ITEMS} items"
+                    )));
+                }
+                v.push(x);
+            }
+            Ok(v)
+        }
+    }
+    d.deserialize_seq(Bounded(std::marker::PhantomData))
+}
 
 /// A tensor name and its grant (stage connector reservations).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,6 +87,7 @@ pub enum Msg {
     /// EC: per mm_hash, a grant, or none when the consumer has it cached.
     EcReserve {
         request: String,
+        #[serde(deserialize_with = "bounded")]
         slots: Vec<EcSlot>,
     },
     /// KV: decode's block ids and grants for the blocks that must move.
@@ -64,6 +98,7 @@ pub enum Msg {
     /// Stage connector: a destination per tensor.
     StageReserve {
         request: String,
+        #[serde(deserialize_with = "bounded")]
         grants: Vec<NamedGrant>,
     },
     /// The consumer cannot take the request (no room, failed upstream, ...).
@@ -75,6 +110,7 @@ pub enum Msg {
     /// EC / KV FINISH: every granted byte was written.
     Finish {
         request: String,
+        #[serde(deserialize_with = "bounded")]
         digests: Vec<NamedDigest>,
     },
     /// Stage connector: the packet v1 sidecar (msgpack), sent only after its tensors landed.
@@ -87,6 +123,7 @@ pub enum Msg {
     /// ERROR: the named tensors (or blocks) failed to move, and why.
     Error {
         request: String,
+        #[serde(deserialize_with = "bounded")]
         failed: Vec<String>,
         cause: String,
     },

@@ -220,7 +220,9 @@ pub struct KvGrant {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvReservation {
     pub first_block: u32,
+    #[serde(deserialize_with = "crate::control::bounded")]
     pub dst_blocks: Vec<u32>,
+    #[serde(deserialize_with = "crate::control::bounded")]
     pub grants: Vec<KvGrant>,
 }
 
