@@ -539,6 +539,29 @@ impl StageWorker {
         Ok(())
     }
 
+    /// Waits for the producer's reply to a reservation, then revokes every grant it carried:
+    /// the fence, so nothing lands after this. A `grant_revoked` fault revokes them at once
+    /// instead, before the producer can use them.
+    async fn await_reply(
+        &self,
+        link: &Link,
+        engine: &Engine,
+        rid: &str,
+        grants: &mut Vec<Grant>,
+        fault: Option<HarnessFault>,
+    ) -> Result<Msg> {
+        if fault == Some(HarnessFault::GrantRevoked) {
+            for g in grants.iter() {
+                engine.revoke(g);
+            }
+        }
+        let reply = link.recv(rid, self.timeout()).await;
+        for g in grants.drain(..) {
+            engine.revoke(&g);
+        }
+        reply
+    }
+
     /// The connector fault scripted for this hop and request, if any.
     fn fault(&self, hop: &Hop, rid: &str) -> Option<HarnessFault> {
         self.cfg
@@ -722,15 +745,9 @@ impl StageWorker {
                         grants,
                     },
                 })?;
-                if fault == Some(HarnessFault::GrantRevoked) {
-                    for g in &held.grants {
-                        engine.revoke(g);
-                    }
-                }
-                let reply = link.recv(rid, self.timeout()).await;
-                for g in held.grants.drain(..) {
-                    engine.revoke(&g);
-                }
+                let reply = self
+                    .await_reply(link, engine, rid, &mut held.grants, fault)
+                    .await;
                 let tv = Instant::now();
                 match reply? {
                     Msg::Finish { .. } => {
@@ -826,15 +843,9 @@ impl StageWorker {
                     request: rid.into(),
                     grants,
                 })?;
-                if fault == Some(HarnessFault::GrantRevoked) {
-                    for g in &held.grants {
-                        engine.revoke(g);
-                    }
-                }
-                let reply = link.recv(rid, self.timeout()).await;
-                for g in held.grants.drain(..) {
-                    engine.revoke(&g);
-                }
+                let reply = self
+                    .await_reply(link, engine, rid, &mut held.grants, fault)
+                    .await;
                 let tv = Instant::now();
                 match reply? {
                     Msg::Packet { packet, .. } => {

@@ -393,15 +393,7 @@ impl Request {
         grant_offset: u64,
         len: u64,
     ) -> Self {
-        Self {
-            kind: OpKind::Write,
-            local: local.id,
-            local_offset,
-            grant: grant.clone(),
-            grant_offset,
-            len,
-            tag: 0,
-        }
+        Self::new(OpKind::Write, local, local_offset, grant, grant_offset, len)
     }
 
     /// Reads `len` bytes of the grant at `grant_offset` into `local` at `local_offset`.
@@ -412,8 +404,19 @@ impl Request {
         grant_offset: u64,
         len: u64,
     ) -> Self {
+        Self::new(OpKind::Read, local, local_offset, grant, grant_offset, len)
+    }
+
+    fn new(
+        kind: OpKind,
+        local: &Buffer,
+        local_offset: u64,
+        grant: &Grant,
+        grant_offset: u64,
+        len: u64,
+    ) -> Self {
         Self {
-            kind: OpKind::Read,
+            kind,
             local: local.id,
             local_offset,
             grant: grant.clone(),
