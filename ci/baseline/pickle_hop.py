@@ -117,6 +117,11 @@ def decode(frames, mode):
 
 
 def receiver(addr):
+    # The receiving side's CPU, when the bench pins each side of a hop (before ZMQ starts its
+    # I/O thread, which inherits it).
+    cpu = os.environ.get("OMNIRIG_BASELINE_RECEIVER_CPU")
+    if cpu:
+        os.sched_setaffinity(0, {int(cpu)})
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.connect(addr)

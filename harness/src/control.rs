@@ -361,12 +361,20 @@ enum Out {
     Tcp(mpsc::UnboundedSender<Msg>),
 }
 
+/// How long a TCP link's `recv` keeps polling before it parks. A reply on 127.0.0.1 comes
+/// back within tens of microseconds, and waking a parked thread on a VM costs about as much
+/// again per message (the engine's tcp transport polls for the same reason). The poll
+/// yields to the runtime between checks, so the I/O driver and other tasks keep running,
+/// and it only happens while a `recv` is waiting.
+pub const TCP_RECV_SPIN: Duration = Duration::from_micros(50);
+
 /// One end of a control channel.
 #[derive(Clone)]
 pub struct Link {
     name: Arc<str>,
     out: Out,
     inbox: Arc<Mailboxes>,
+    spin: Duration,
 }
 
 impl std::fmt::Debug for Link {
@@ -387,11 +395,13 @@ impl Link {
                 name: name.into(),
                 out: Out::Mem(b.clone()),
                 inbox: a.clone(),
+                spin: Duration::ZERO,
             },
             Link {
                 name: name.into(),
                 out: Out::Mem(a),
                 inbox: b,
+                spin: Duration::ZERO,
             },
         )
     }
@@ -448,7 +458,14 @@ impl Link {
             name,
             out: Out::Tcp(tx),
             inbox,
+            spin: TCP_RECV_SPIN,
         }
+    }
+
+    /// Sets how long `recv` polls before parking (zero: park at once).
+    pub fn with_spin(mut self, spin: Duration) -> Link {
+        self.spin = spin;
+        self
     }
 
     pub fn name(&self) -> &str {
@@ -485,6 +502,18 @@ impl Link {
         let (tx, rx) = self.inbox.queue(key);
         drop(tx);
         let mut rx = rx.lock().await;
+        if !self.spin.is_zero() {
+            let until = std::time::Instant::now() + self.spin.min(timeout);
+            loop {
+                match rx.try_recv() {
+                    Ok(m) => return Ok(m),
+                    Err(mpsc::error::TryRecvError::Empty) if std::time::Instant::now() < until => {
+                        tokio::task::yield_now().await
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
         match tokio::time::timeout(timeout, rx.recv()).await {
             Ok(Some(m)) => Ok(m),
             Ok(None) => Err(err(self

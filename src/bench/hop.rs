@@ -173,6 +173,47 @@ pub struct Producer {
     pub inline: Option<Arc<InlineSender>>,
 }
 
+/// Name of the one grant a stage hop's consumer returns: it covers the whole packet.
+pub const PACKET_GRANT: &str = "packet";
+
+/// Where each tensor of a packet sits in the consumer's one reservation: entry order, each
+/// at a 64-byte boundary (the producer stages its tensors the same way, so the whole packet
+/// is one contiguous write). Returns the offsets and the span.
+pub fn packet_layout<'a>(lens: impl IntoIterator<Item = &'a u64>) -> (Vec<u64>, u64) {
+    let mut at = 0u64;
+    let offsets = lens
+        .into_iter()
+        .map(|len| {
+            let o = at;
+            at += len.next_multiple_of(64);
+            o
+        })
+        .collect();
+    (offsets, at)
+}
+
+/// Merges writes that continue each other on both sides (same source buffer, same grant):
+/// one request per contiguous run, so a packet staged contiguously travels as one transfer
+/// (a few large slices instead of a round trip per small tensor).
+pub fn coalesce(reqs: Vec<Request>) -> Vec<Request> {
+    let mut out: Vec<Request> = Vec::with_capacity(reqs.len());
+    for r in reqs {
+        if let Some(last) = out.last_mut()
+            && last.kind == r.kind
+            && last.tag == r.tag
+            && last.local == r.local
+            && last.grant == r.grant
+            && last.local_offset + last.len == r.local_offset
+            && last.grant_offset + last.len == r.grant_offset
+        {
+            last.len += r.len;
+            continue;
+        }
+        out.push(r);
+    }
+    out
+}
+
 fn hop_uses_packet(kind: PayloadKind) -> bool {
     matches!(
         kind,
@@ -248,15 +289,33 @@ impl Producer {
             };
             let mut reqs = Vec::with_capacity(p.tensors.len());
             let mut used = Vec::with_capacity(p.tensors.len());
-            for (t, off, _) in &p.tensors {
-                let g = grants
-                    .iter()
-                    .find(|g| g.tensor == t.name)
-                    .with_context(|| format!("no grant for {}", t.name))?;
-                reqs.push(Request::write(&self.src, *off, &g.grant, 0, t.byte_length));
-                used.push(g.grant.clone());
+            if hop_uses_packet(p.kind) {
+                // One grant for the packet; each tensor at its place in the packet layout.
+                let g = match grants.as_slice() {
+                    [g] if g.tensor == PACKET_GRANT => &g.grant,
+                    _ => bail!("expected one {PACKET_GRANT:?} grant, got {}", grants.len()),
+                };
+                let (at, span) = packet_layout(p.tensors.iter().map(|(t, _, _)| &t.byte_length));
+                if span > g.len {
+                    bail!("packet grant of {} bytes for a {span}-byte packet", g.len);
+                }
+                for ((t, off, _), at) in p.tensors.iter().zip(at) {
+                    reqs.push(Request::write(&self.src, *off, g, at, t.byte_length));
+                    used.push((g.clone(), at));
+                }
+            } else {
+                for (t, off, _) in &p.tensors {
+                    let g = grants
+                        .iter()
+                        .find(|g| g.tensor == t.name)
+                        .with_context(|| format!("no grant for {}", t.name))?;
+                    reqs.push(Request::write(&self.src, *off, &g.grant, 0, t.byte_length));
+                    used.push((g.grant.clone(), 0));
+                }
             }
-            self.engine.transfer(reqs, Some(HOP_TIMEOUT)).await?;
+            self.engine
+                .transfer(coalesce(reqs), Some(HOP_TIMEOUT))
+                .await?;
             let reply = if hop_uses_packet(p.kind) {
                 let sidecar =
                     Packet::new(rid, p.kind, 0, true, self.entries(p, Some(&used))).to_msgpack()?;
@@ -286,7 +345,7 @@ impl Producer {
         }
     }
 
-    fn entries(&self, p: &HopPayload, grants: Option<&[Grant]>) -> Vec<TensorEntry> {
+    fn entries(&self, p: &HopPayload, grants: Option<&[(Grant, u64)]>) -> Vec<TensorEntry> {
         p.tensors
             .iter()
             .enumerate()
@@ -297,7 +356,8 @@ impl Producer {
                 byte_length: t.byte_length,
                 digest: *d,
                 transfer_key: grants.map(|g| {
-                    TransferKey::Text(format!("{}/{}@{}", g[i].segment, g[i].buffer, g[i].offset))
+                    let (g, at) = &g[i];
+                    TransferKey::Text(format!("{}/{}@{}", g.segment, g.buffer, g.offset + at))
                 }),
             })
             .collect()
@@ -371,7 +431,9 @@ async fn consume(
 ) -> anyhow::Result<bool> {
     loop {
         let msg = link.recv(rid, Duration::from_secs(3600)).await?;
+        // Pool space held for this handoff, and where each tensor landed in the pool.
         let mut leases: Vec<Lease> = Vec::with_capacity(tensors.len());
+        let mut placed: Vec<u64> = Vec::with_capacity(tensors.len());
         let landed: Result<Packet, String> = match msg {
             Msg::Refuse { .. } => {
                 link.forget(rid);
@@ -395,6 +457,7 @@ async fn consume(
                             .write(lease.offset, bytes)
                             .map_err(|e| e.to_string())?;
                         at = end;
+                        placed.push(lease.offset);
                         leases.push(lease);
                     }
                     Ok(p)
@@ -403,15 +466,33 @@ async fn consume(
             }
             Msg::Offer { .. } => {
                 let mut grants = Vec::with_capacity(tensors.len());
-                for t in tensors {
-                    let lease = pool.reserve(t.byte_length, HOP_TIMEOUT).await?;
-                    let g =
-                        engine.grant(&pool.buffer, lease.offset, t.byte_length, Access::Write)?;
+                if hop_uses_packet(kind) {
+                    // Stage hops: one reservation and one grant for the whole packet.
+                    let (at, span) = packet_layout(tensors.iter().map(|t| &t.byte_length));
+                    let lease = pool.reserve(span, HOP_TIMEOUT).await?;
+                    let g = engine.grant(&pool.buffer, lease.offset, span, Access::Write)?;
                     grants.push(NamedGrant {
-                        tensor: t.name.clone(),
+                        tensor: PACKET_GRANT.into(),
                         grant: g,
                     });
+                    placed.extend(at.iter().map(|a| lease.offset + a));
                     leases.push(lease);
+                } else {
+                    for t in tensors {
+                        let lease = pool.reserve(t.byte_length, HOP_TIMEOUT).await?;
+                        let g = engine.grant(
+                            &pool.buffer,
+                            lease.offset,
+                            t.byte_length,
+                            Access::Write,
+                        )?;
+                        grants.push(NamedGrant {
+                            tensor: t.name.clone(),
+                            grant: g,
+                        });
+                        placed.push(lease.offset);
+                        leases.push(lease);
+                    }
                 }
                 link.send(Msg::StageReserve {
                     request: rid.into(),
@@ -454,7 +535,14 @@ async fn consume(
             other => Err(format!("unexpected {}", other.name())),
         };
         let checked = landed.and_then(|p| {
-            for (t, lease) in tensors.iter().zip(&leases) {
+            if placed.len() != tensors.len() {
+                return Err(format!(
+                    "{} of {} tensors placed",
+                    placed.len(),
+                    tensors.len()
+                ));
+            }
+            for (t, at) in tensors.iter().zip(&placed) {
                 let e = p.entry(&t.name).ok_or(format!("{} missing", t.name))?;
                 if e.dtype != t.dtype || e.shape != t.shape {
                     return Err(format!("{}: {} {:?}", t.name, e.dtype, e.shape));
@@ -463,7 +551,7 @@ async fn consume(
                 if !verified {
                     let d = pool
                         .buffer
-                        .view(lease.offset, t.byte_length, Digest128::of_bytes)
+                        .view(*at, t.byte_length, Digest128::of_bytes)
                         .map_err(|e| e.to_string())?;
                     if d != e.digest {
                         return Err(format!("{}: landed bytes differ from the digest", t.name));
@@ -532,7 +620,10 @@ pub fn inline_handler(pool: Arc<Pool>, rt: tokio::runtime::Handle) -> InlineHand
 
 /// `omnirig bench hop-peer`: a consumer stage in its own process (engine over tcp, control
 /// channel over tcp); exits when stdin closes or on `Shutdown`.
-pub fn serve_peer(pool_bytes: u64, tcp: TcpConfig) -> anyhow::Result<()> {
+pub fn serve_peer(pool_bytes: u64, cpu: Option<usize>, tcp: TcpConfig) -> anyhow::Result<()> {
+    if let Some(c) = cpu {
+        super::cpus::pin(c)?;
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -580,10 +671,14 @@ pub struct ConsumerProcess {
 }
 
 impl ConsumerProcess {
-    pub fn spawn(pool_bytes: u64, tcp: &TcpConfig) -> anyhow::Result<Self> {
+    pub fn spawn(pool_bytes: u64, tcp: &TcpConfig, cpu: Option<usize>) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the omnirig binary")?;
-        let mut child = Command::new(exe)
-            .args(["bench", "hop-peer", "--pool-bytes", &pool_bytes.to_string()])
+        let mut cmd = Command::new(exe);
+        cmd.args(["bench", "hop-peer", "--pool-bytes", &pool_bytes.to_string()]);
+        if let Some(c) = cpu {
+            cmd.args(["--cpu", &c.to_string()]);
+        }
+        let mut child = cmd
             .args(["--slice-size", &tcp.slice_size.to_string()])
             .args(["--busy-poll-us", &tcp.busy_poll.as_micros().to_string()])
             .stdin(Stdio::piped())
@@ -652,8 +747,19 @@ pub struct Python {
 }
 
 impl Python {
-    pub fn spawn(python: &Path, script: &Path) -> anyhow::Result<Self> {
-        let mut child = Command::new(python)
+    /// `receiver_cpu`: the CPU its receiver process pins itself to (the driver, the sending
+    /// side, inherits this process's placement).
+    pub fn spawn(
+        python: &Path,
+        script: &Path,
+        receiver_cpu: Option<usize>,
+    ) -> anyhow::Result<Self> {
+        let mut cmd = Command::new(python);
+        match receiver_cpu {
+            Some(c) => cmd.env(super::cpus::BASELINE_RECEIVER_CPU, c.to_string()),
+            None => cmd.env_remove(super::cpus::BASELINE_RECEIVER_CPU),
+        };
+        let mut child = cmd
             .arg(script)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -772,9 +878,22 @@ pub struct Options {
     pub python: PathBuf,
     pub script: PathBuf,
     pub tcp: TcpConfig,
+    /// Sender side and receiver side CPUs (both omnirig and the baseline); None: unpinned.
+    pub cpus: Option<super::cpus::CpuPair>,
 }
 
 pub fn run(o: &Options) -> anyhow::Result<Results> {
+    match o.cpus {
+        Some(c) => {
+            // Before anything starts: the consumer and the baseline's driver inherit it.
+            super::cpus::pin(c.sender)?;
+            progress(&format!(
+                "sender side on CPU {}, receiver side on CPU {} (omnirig and the baseline alike; --cpus none to let the scheduler place them)",
+                c.sender, c.receiver
+            ));
+        }
+        None => progress("processes unpinned (--cpus none, or only one CPU)"),
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -827,10 +946,21 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
     )?;
 
     progress("starting the consumer process and the Python baseline");
-    let peer = ConsumerProcess::spawn(2 * max + (1 << 20), &o.tcp)?;
+    let peer = ConsumerProcess::spawn(2 * max + (1 << 20), &o.tcp, o.cpus.map(|c| c.receiver))?;
     let prod =
         connect_producer(&peer.hello, src_engine.clone(), src.clone(), o.inline_below).await?;
-    let mut py = Python::spawn(&o.python, &o.script)?;
+    let mut py = Python::spawn(&o.python, &o.script, o.cpus.map(|c| c.receiver))?;
+    // The floor: the same bytes through a plain socket between the same CPUs.
+    let raw_peer = super::peer::PeerProcess::spawn_on(
+        super::peer::PeerMode::Raw,
+        max,
+        &o.tcp,
+        o.cpus.map(|c| c.receiver),
+    )?;
+    let mut raw = std::net::TcpStream::connect(raw_peer.hello.addr)?;
+    raw.set_nodelay(true)?;
+    raw.set_nonblocking(true)?;
+    let mut raw_buf = vec![0x5au8; max as usize];
     let loaded = py.call(serde_json::json!({"cmd": "load", "manifest": manifest_path}))?;
     if loaded["xxhash"] != true {
         progress("WARNING: the Python side has no xxhash; its digest check is skipped");
@@ -909,6 +1039,23 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
         if let Some((lprod, _, _)) = &lb {
             retire(&lprod.link, &rid)?;
         }
+        let (floor_name, floor) = super::transfer::best_raw(
+            &mut raw,
+            b'W',
+            &mut raw_buf[..p.total as usize],
+            per * rounds,
+            o.tcp.busy_poll,
+        )?;
+        let floor = {
+            let m = floor.measured();
+            super::Baseline {
+                name: floor_name.into(),
+                gbps: m.gbps,
+                p50_us: m.p50_us,
+                p99_us: Some(m.p99_us),
+                samples_us: None,
+            }
+        };
         if !verified {
             progress("WARNING: the Python side did not verify digests");
         }
@@ -919,6 +1066,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             row.case = Some(p.case.clone());
             row.hop = Some(hop_label(kind).into());
             row.attach_samples(&ours, b);
+            row.floor = Some(floor.clone());
             rows.push(row);
         }
         if lb.is_some() {
@@ -942,6 +1090,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
     }
     drop(py);
     drop(peer);
+    drop(raw_peer);
     Ok(rows)
 }
 
@@ -979,15 +1128,30 @@ pub fn verdicts(r: &Results) -> Vec<String> {
                 min.baseline.p50_us,
                 min.ratio,
             ));
-            for x in tcp(base).filter(|x| !std::ptr::eq(*x, min)) {
-                out.push(format!(
+            for x in tcp(base) {
+                let mut line = format!(
                     "  {} {}: {:.2}x p50 ({:.1} us vs {:.1} us)",
                     x.case.as_deref().unwrap_or("?"),
                     super::human_size_approx(x.size),
                     p50x(x),
                     x.omnirig.p50_us,
                     x.baseline.p50_us
-                ));
+                );
+                if let Some(f) = &x.floor {
+                    // What the target leaves, against what a plain socket needs for the bytes.
+                    let budget = x.baseline.p50_us / need;
+                    line += &format!(
+                        "; {need}x needs <= {budget:.1} us, a plain socket alone takes {:.1} us ({}){}",
+                        f.p50_us,
+                        f.name,
+                        if f.p50_us > budget {
+                            ": below the tcp floor on this machine"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+                out.push(line);
             }
         }
     }
@@ -1009,6 +1173,53 @@ pub fn verdicts(r: &Results) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packet_layout_is_entry_order_at_64_byte_boundaries() {
+        let (at, span) = packet_layout(&[808_960, 2048, 1, 163_840]);
+        assert_eq!(at, vec![0, 808_960, 811_008, 811_072]);
+        assert_eq!(span, 811_072 + 163_840);
+        assert_eq!(packet_layout(&[]), (vec![], 0));
+    }
+
+    #[tokio::test]
+    async fn coalesce_merges_only_runs_contiguous_on_both_sides() {
+        let e = Engine::new(
+            EngineConfig::new("t-coalesce")
+                .store(InProcessStore::new())
+                .tcp_listen(None),
+        )
+        .await
+        .unwrap();
+        let src = e.allocate(1 << 16).unwrap();
+        let other = e.allocate(1 << 16).unwrap();
+        let dst = e.allocate(1 << 16).unwrap();
+        let g = e.grant(&dst, 0, 1 << 15, Access::Write).unwrap();
+        let g2 = e.grant(&dst, 1 << 15, 1 << 15, Access::Write).unwrap();
+        let w = |b: &Buffer, lo, g: &Grant, go, n| Request::write(b, lo, g, go, n);
+        let merged = coalesce(vec![
+            w(&src, 0, &g, 0, 64),
+            w(&src, 64, &g, 64, 128),    // continues both sides: merged
+            w(&src, 256, &g, 192, 64),   // gap on the source side
+            w(&other, 320, &g, 256, 64), // another source buffer
+            w(&other, 384, &g2, 0, 64),  // another grant
+            w(&other, 448, &g2, 64, 64).tagged(7), // another tag
+        ]);
+        let spans: Vec<_> = merged
+            .iter()
+            .map(|r| (r.local_offset, r.grant_offset, r.len))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                (0, 0, 192),
+                (256, 192, 64),
+                (320, 256, 64),
+                (384, 0, 64),
+                (448, 64, 64)
+            ]
+        );
+    }
 
     #[test]
     fn hop_names_parse_both_spellings() {

@@ -1,6 +1,7 @@
 //! Benchmark suites and what they share: sizes, latency statistics, the JSON result shape
 //! (`rows` with `omnirig`, `baseline`, `ratio`), and the printed table.
 
+pub mod cpus;
 pub mod hop;
 pub mod peer;
 pub mod pipeline;
@@ -142,6 +143,10 @@ pub struct Row {
     /// Pipeline suite: requests per second (omnirig, baseline).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throughput_rps: Option<(f64, f64)>,
+    /// Hop suite: the same bytes through a plain TCP socket between the same two CPUs, one
+    /// way plus a 1-byte ack, measured in the same run: the floor for any tcp handoff.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub floor: Option<Baseline>,
 }
 
 impl Row {
@@ -164,6 +169,7 @@ impl Row {
             hop: None,
             concurrency: None,
             throughput_rps: None,
+            floor: None,
         }
     }
 

@@ -208,20 +208,29 @@ pub struct PeerProcess {
 
 impl PeerProcess {
     pub fn spawn(mode: PeerMode, max_size: u64, tcp: &TcpConfig) -> anyhow::Result<Self> {
+        Self::spawn_on(mode, max_size, tcp, None)
+    }
+
+    /// As [`spawn`](Self::spawn), pinned to `cpu` when given.
+    pub fn spawn_on(
+        mode: PeerMode,
+        max_size: u64,
+        tcp: &TcpConfig,
+        cpu: Option<usize>,
+    ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the omnirig binary")?;
         let mode = match mode {
             PeerMode::Engine => "engine",
             PeerMode::Raw => "raw",
         };
-        let mut child = Command::new(exe)
-            .args([
-                "bench",
-                "peer",
-                "--mode",
-                mode,
-                "--max-size",
-                &max_size.to_string(),
-            ])
+        let mut cmd = Command::new(exe);
+        if let Some(c) = cpu {
+            cmd.args(["bench", "peer", "--cpu", &c.to_string()]);
+        } else {
+            cmd.args(["bench", "peer"]);
+        }
+        let mut child = cmd
+            .args(["--mode", mode, "--max-size", &max_size.to_string()])
             .args([
                 "--slice-size",
                 &tcp.slice_size.to_string(),

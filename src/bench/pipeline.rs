@@ -127,7 +127,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             hop_files[*ci][hi] = Some(path);
             payloads[*ci][hi] = Some(p);
         }
-        let peer = ConsumerProcess::spawn(o.pool_bytes.max(2 * max + (1 << 20)), &o.tcp)?;
+        let peer = ConsumerProcess::spawn(o.pool_bytes.max(2 * max + (1 << 20)), &o.tcp, None)?;
         producers.push(connect_producer(&peer.hello, engine, src, o.inline_below).await?);
         consumers.push(peer);
     }
@@ -141,7 +141,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
         .map(|h| serde_json::json!({ "hops": h }))
         .collect();
     std::fs::write(&manifest, serde_json::json!({ "pipeline": m }).to_string())?;
-    let mut py = Python::spawn(&o.python, &o.script)?;
+    let mut py = Python::spawn(&o.python, &o.script, None)?;
     py.call(serde_json::json!({"cmd": "pipeline_start", "manifest": manifest, "hops": 4}))?;
 
     let mean_bytes = cases

@@ -139,7 +139,7 @@ fn check_landed(owner: &Engine, dst: &Buffer, g: &Grant, byte: u8, max: u64) -> 
 
 /// The better (higher rate) of a blocking and a busy-polled plain socket: the physical
 /// baseline for tcp is the best a plain socket does on this machine, not a handicapped one.
-fn best_raw(
+pub fn best_raw(
     s: &mut TcpStream,
     op: u8,
     buf: &mut [u8],

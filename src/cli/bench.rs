@@ -69,6 +69,17 @@ pub struct HopArgs {
     /// Also time the same protocol in one process over loopback.
     #[arg(long)]
     loopback: bool,
+    /// TCP slice size (bytes per frame). With one CPU per side, fewer and larger slices
+    /// win; with cores to spare, more streams do.
+    #[arg(long, default_value = "512K")]
+    slice_size: String,
+    /// TCP connections per peer (slices in flight per transfer).
+    #[arg(long, default_value_t = 4)]
+    streams: usize,
+    /// CPUs for the sender side and the receiver side, for omnirig and the baseline alike:
+    /// auto (the first two this process may use), none (the scheduler decides), or A,B.
+    #[arg(long, default_value = "auto")]
+    cpus: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -93,6 +104,9 @@ pub struct PipelineArgs {
 pub struct HopPeerArgs {
     #[arg(long)]
     pool_bytes: u64,
+    /// Pin the consumer to this CPU.
+    #[arg(long)]
+    cpu: Option<usize>,
     #[arg(long)]
     slice_size: u64,
     #[arg(long)]
@@ -175,6 +189,9 @@ pub struct PeerArgs {
     max_payload: u64,
     #[arg(long)]
     busy_poll_us: u64,
+    /// Pin the peer to this CPU.
+    #[arg(long)]
+    cpu: Option<usize>,
 }
 
 /// The pipeline suite's default requests: the interactive golden cases (the 144 MiB and 300 MiB
@@ -239,7 +256,16 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 loopback: a.loopback,
                 python: a.common.python.clone(),
                 script: a.common.script(),
-                tcp: TcpConfig::default(),
+                tcp: {
+                    let slice_size = one_size(&a.slice_size, "slice-size")?;
+                    TcpConfig {
+                        slice_size,
+                        streams: a.streams.max(1),
+                        max_payload: slice_size.max(TcpConfig::default().max_payload),
+                        ..TcpConfig::default()
+                    }
+                },
+                cpus: bench::cpus::parse(&a.cpus)?,
             };
             let results = hop::run(&opts)?;
             emit(&results, hop::verdicts(&results), a.common.json.as_deref())
@@ -279,21 +305,28 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         }
         BenchCmd::HopPeer(p) => hop::serve_peer(
             p.pool_bytes,
+            p.cpu,
             TcpConfig {
                 slice_size: p.slice_size,
+                max_payload: p.slice_size.max(TcpConfig::default().max_payload),
                 busy_poll: std::time::Duration::from_micros(p.busy_poll_us),
                 ..TcpConfig::default()
             },
         ),
-        BenchCmd::Peer(p) => peer::serve(
-            p.mode,
-            p.max_size,
-            TcpConfig {
-                slice_size: p.slice_size,
-                max_payload: p.max_payload,
-                ..TcpConfig::default()
-            },
-        ),
+        BenchCmd::Peer(p) => {
+            if let Some(c) = p.cpu {
+                bench::cpus::pin(c)?;
+            }
+            peer::serve(
+                p.mode,
+                p.max_size,
+                TcpConfig {
+                    slice_size: p.slice_size,
+                    max_payload: p.max_payload,
+                    ..TcpConfig::default()
+                },
+            )
+        }
     }
 }
 

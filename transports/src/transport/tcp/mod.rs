@@ -93,17 +93,34 @@ fn recv_now(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     (&*sock).read(buf)
 }
 
+/// How a read busy-polls before it parks on the reactor.
+#[derive(Clone, Copy)]
+enum Spin {
+    /// Keep the thread for up to this long: for bytes that are on their way (a payload
+    /// being received, the reply to what this task just sent). Fastest, but it holds every
+    /// other task of the runtime meanwhile.
+    Thread(Duration),
+    /// Poll for up to this long, yielding to the runtime between attempts: for a
+    /// connection idling until its next frame, so an idle connection never holds the
+    /// runtime's other tasks (other connections, the caller's control messages).
+    Task(Duration),
+}
+
 /// Runs `attempt` (one non-blocking read) until it does not report WouldBlock: first by
-/// busy-polling for up to `spin`, the way RDMA engines poll completion queues (waking a
+/// busy-polling (see [`Spin`]), the way RDMA engines poll completion queues (waking a
 /// parked thread costs far more than a short spin, above all on virtual CPUs), then by
 /// parking on the reactor.
 async fn read_ready<T>(
     stream: &TcpStream,
-    spin: Duration,
+    spin: Spin,
     mut attempt: impl FnMut() -> io::Result<T>,
 ) -> io::Result<T> {
-    if !spin.is_zero() {
-        let until = std::time::Instant::now() + spin;
+    let (window, cooperative) = match spin {
+        Spin::Thread(d) => (d, false),
+        Spin::Task(d) => (d, true),
+    };
+    if !window.is_zero() {
+        let until = std::time::Instant::now() + window;
         loop {
             match attempt() {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -112,7 +129,11 @@ async fn read_ready<T>(
             if std::time::Instant::now() >= until {
                 break;
             }
-            std::thread::yield_now();
+            if cooperative {
+                tokio::task::yield_now().await;
+            } else {
+                std::thread::yield_now();
+            }
         }
     }
     loop {
@@ -125,7 +146,7 @@ async fn read_ready<T>(
     }
 }
 
-async fn read_exact(stream: &TcpStream, buf: &mut [u8], spin: Duration) -> io::Result<()> {
+async fn read_exact(stream: &TcpStream, buf: &mut [u8], spin: Spin) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         match read_ready(stream, spin, || recv_now(stream, &mut buf[got..])).await? {
@@ -213,8 +234,9 @@ async fn send_from(
     Ok(())
 }
 
-/// Payloads up to this size are busy-polled like headers; larger ones wait on the reactor, so
-/// the other slices of a transfer (other connections, same thread) keep moving meanwhile.
+/// Payloads up to this size are busy-polled holding the thread, like reply headers; larger
+/// ones poll yielding to the runtime, so the other slices of a transfer (other connections,
+/// same thread) keep moving meanwhile.
 const SPIN_PAYLOAD_MAX: u64 = 64 << 10;
 
 /// Receives `len` bytes straight into `region` at `offset`. With a fence, each `read` runs
@@ -228,9 +250,9 @@ async fn recv_into(
     spin: Duration,
 ) -> std::result::Result<(), Stop> {
     let spin = if len <= SPIN_PAYLOAD_MAX {
-        spin
+        Spin::Thread(spin)
     } else {
-        Duration::ZERO
+        Spin::Task(spin)
     };
     let mut got = 0u64;
     while got < len {
@@ -261,13 +283,13 @@ async fn discard(stream: &TcpStream, mut len: u64) -> io::Result<()> {
     let mut scratch = vec![0u8; 64 << 10];
     while len > 0 {
         let n = len.min(scratch.len() as u64) as usize;
-        read_exact(stream, &mut scratch[..n], Duration::ZERO).await?;
+        read_exact(stream, &mut scratch[..n], Spin::Thread(Duration::ZERO)).await?;
         len -= n as u64;
     }
     Ok(())
 }
 
-async fn read_header(stream: &TcpStream, max_payload: u64, spin: Duration) -> Result<Header> {
+async fn read_header(stream: &TcpStream, max_payload: u64, spin: Spin) -> Result<Header> {
     let mut hb = [0u8; HEADER_LEN];
     read_exact(stream, &mut hb, spin)
         .await
@@ -283,7 +305,7 @@ async fn read_body(stream: &TcpStream, h: &Header, limit: u32) -> Result<Vec<u8>
         ));
     }
     let mut body = vec![0u8; h.body_len as usize];
-    read_exact(stream, &mut body, Duration::ZERO)
+    read_exact(stream, &mut body, Spin::Thread(Duration::ZERO))
         .await
         .map_err(|e| Error::io(e, "reading frame body"))?;
     Ok(body)
@@ -346,7 +368,7 @@ async fn serve(core: Arc<EngineCore>, conn: Conn, from: SocketAddr, cfg: TcpConf
     let stream = &conn.stream;
     let mut peer = from.to_string();
     loop {
-        let h = match read_header(stream, cfg.max_payload, cfg.busy_poll).await {
+        let h = match read_header(stream, cfg.max_payload, Spin::Task(cfg.busy_poll)).await {
             Ok(h) => h,
             Err(e) if e.kind() == ErrorKind::Malformed => {
                 warn!(engine = %core.name, peer = %peer, error = %e, "refusing connection: malformed frame");
@@ -562,7 +584,7 @@ pub(crate) async fn describe(
     write_all(s, &[&Header::new(FrameKind::Describe, 1).encode()])
         .await
         .map_err(|e| Error::io(e, "describe"))?;
-    let h = read_header(s, 0, Duration::ZERO).await?;
+    let h = read_header(s, 0, Spin::Thread(Duration::ZERO)).await?;
     match h.kind {
         FrameKind::DescribeReply => {
             let body = read_body(s, &h, MAX_DESCRIPTOR_BODY).await?;
@@ -655,7 +677,10 @@ impl LinkShared {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         // If this future is dropped mid-slice, `conn` drops with it: a half-sent frame never
         // goes back into the pool.
-        match run_slice(&conn, req, &op, &self.cfg).await {
+        // Alone on the link, the reply is best awaited holding the thread; with other slices
+        // in flight, holding it would keep them from being sent and read meanwhile.
+        let alone = self.slots.available_permits() + 1 >= self.cfg.streams.max(1);
+        match run_slice(&conn, req, &op, &self.cfg, alone).await {
             Ok(reply) => {
                 self.idle().push(conn);
                 reply
@@ -667,7 +692,13 @@ impl LinkShared {
 
 /// Runs one slice on one connection. `Ok(Err(e))` is a clean refusal from the peer (the
 /// connection is still in sync and can be reused); `Err(e)` means the connection is done.
-async fn run_slice(c: &Conn, req: u64, op: &SliceOp, cfg: &TcpConfig) -> Result<Result<()>> {
+async fn run_slice(
+    c: &Conn,
+    req: u64,
+    op: &SliceOp,
+    cfg: &TcpConfig,
+    alone: bool,
+) -> Result<Result<()>> {
     let s = &c.stream;
     let h = Header {
         buffer: op.grant.buffer,
@@ -695,7 +726,12 @@ async fn run_slice(c: &Conn, req: u64, op: &SliceOp, cfg: &TcpConfig) -> Result<
             .await
             .map_err(|e| Error::io(e, "sending read request"))?,
     }
-    let r = read_header(s, cfg.max_payload.max(op.len), cfg.busy_poll).await?;
+    let spin = if alone {
+        Spin::Thread(cfg.busy_poll)
+    } else {
+        Spin::Task(cfg.busy_poll)
+    };
+    let r = read_header(s, cfg.max_payload.max(op.len), spin).await?;
     if r.req_id != req {
         return Err(Error::new(
             ErrorKind::Malformed,
