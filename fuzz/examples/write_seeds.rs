@@ -70,6 +70,7 @@ fn main() {
                 kind: MemoryKind::Host,
             },
         ],
+        shm: None,
     };
     let body = d.to_bytes();
     let mut h = Header::new(FrameKind::DescribeReply, 44);

@@ -18,6 +18,7 @@ use crate::memory::Region;
 use crate::metadata::{InProcessStore, MetadataStore};
 use crate::segment::{BufferDescriptor, MemoryKind, SegmentDescriptor, validate_name};
 use crate::transport::loopback::{self, LoopbackTransport};
+use crate::transport::shm::{ShmConfig, ShmEndpoint, ShmServer, ShmTransport};
 use crate::transport::tcp::{self, TcpConfig, TcpServer, TcpTransport};
 use crate::transport::{Link, LinkInfo, OpKind, SliceOp, Transport};
 
@@ -51,6 +52,10 @@ pub struct EngineConfig {
     /// Where to publish and look up descriptors; `None` uses the process-wide in-process store.
     pub store: Option<Arc<dyn MetadataStore>>,
     pub decorator: Option<TransportDecorator>,
+    /// Enables the shm transport: buffers are allocated shareable (sealed memfds), an shm
+    /// endpoint serves peers of this host, and peers of this host that have one are reached
+    /// through it (before tcp). `None`: off.
+    pub shm: Option<ShmConfig>,
 }
 
 impl std::fmt::Debug for EngineConfig {
@@ -78,7 +83,14 @@ impl EngineConfig {
             lock_memory: false,
             store: None,
             decorator: None,
+            shm: None,
         }
+    }
+
+    /// Turns the shm transport on (see [`EngineConfig::shm`]).
+    pub fn shm_config(mut self, shm: ShmConfig) -> Self {
+        self.shm = Some(shm);
+        self
     }
 
     pub fn store(mut self, store: Arc<dyn MetadataStore>) -> Self {
@@ -138,6 +150,9 @@ pub(crate) struct EngineCore {
     grants: Mutex<GrantTable>,
     closed: AtomicBool,
     tcp_addr: Mutex<Option<SocketAddr>>,
+    shm: Mutex<Option<ShmEndpoint>>,
+    /// Allocate shareable (memfd) regions: the shm transport is on.
+    shareable: bool,
     next_buffer: AtomicU32,
 }
 
@@ -197,6 +212,7 @@ impl EngineCore {
             instance: self.instance,
             tcp: *self.tcp_addr.lock().unwrap_or_else(|p| p.into_inner()),
             buffers,
+            shm: self.shm.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         }
     }
 
@@ -442,6 +458,7 @@ struct EngineInner {
     /// Descriptors learned by handshake, for peers not in the store.
     known: Mutex<HashMap<String, SegmentDescriptor>>,
     server: Mutex<Option<TcpServer>>,
+    shm_server: Mutex<Option<ShmServer>>,
     next_batch: AtomicU64,
     shutdown: CancellationToken,
 }
@@ -483,6 +500,8 @@ impl Engine {
             grants: Mutex::default(),
             closed: AtomicBool::new(false),
             tcp_addr: Mutex::new(None),
+            shm: Mutex::new(None),
+            shareable: cfg.shm.is_some(),
             next_buffer: AtomicU32::new(1),
         });
         let server = match cfg.tcp_listen {
@@ -493,18 +512,28 @@ impl Engine {
             }
             None => None,
         };
+        let shm_server = match &cfg.shm {
+            Some(c) => {
+                let s = ShmServer::bind(core.clone(), c.clone()).await?;
+                *core.shm.lock().unwrap_or_else(|p| p.into_inner()) = Some(s.endpoint.clone());
+                Some(s)
+            }
+            None => None,
+        };
         let wrap = |t: Arc<dyn Transport>| match &cfg.decorator {
             Some(d) => d(t),
             None => t,
         };
-        let transports = vec![
-            wrap(Arc::new(LoopbackTransport::new(cfg.loopback_slice))),
-            wrap(Arc::new(TcpTransport::new(
-                cfg.tcp.clone(),
-                cfg.name.clone(),
-                live,
-            ))),
-        ];
+        // In order of preference: same process, same host, anywhere.
+        let mut transports = vec![wrap(Arc::new(LoopbackTransport::new(cfg.loopback_slice)))];
+        if let Some(c) = &cfg.shm {
+            transports.push(wrap(Arc::new(ShmTransport::new(c.clone(), live.clone()))));
+        }
+        transports.push(wrap(Arc::new(TcpTransport::new(
+            cfg.tcp.clone(),
+            cfg.name.clone(),
+            live,
+        ))));
         let store = cfg
             .store
             .clone()
@@ -522,6 +551,7 @@ impl Engine {
                 peers: Default::default(),
                 known: Default::default(),
                 server: Mutex::new(server),
+                shm_server: Mutex::new(shm_server),
                 next_batch: AtomicU64::new(1),
                 shutdown: CancellationToken::new(),
             }),
@@ -576,7 +606,15 @@ impl Engine {
                 format!("{len} bytes does not fit in memory"),
             )
         })?;
-        Ok(self.add_buffer(Region::allocate(len, false)?))
+        Ok(self.add_buffer(self.region(len, false)?))
+    }
+
+    fn region(&self, len: usize, lock: bool) -> Result<Region> {
+        if self.inner.core.shareable {
+            Region::allocate_shared(len, lock)
+        } else {
+            Region::allocate(len, lock)
+        }
     }
 
     /// Allocates, registers and locks (mlock, best effort) `len` bytes.
@@ -587,7 +625,7 @@ impl Engine {
                 format!("{len} bytes does not fit in memory"),
             )
         })?;
-        Ok(self.add_buffer(Region::allocate(len, true)?))
+        Ok(self.add_buffer(self.region(len, true)?))
     }
 
     /// Registers caller-owned memory.
@@ -1160,6 +1198,12 @@ impl EngineInner {
         core.grants().revoke_all();
         loopback::unregister(core.instance);
         drop(self.server.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(
+            self.shm_server
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
         if let Ok(mut peers) = self.peers.try_lock() {
             peers.clear();
         }

@@ -29,5 +29,6 @@ pub use grant::{Access, Grant};
 pub use metadata::{InProcessStore, MetadataStore};
 pub use segment::SegmentDescriptor;
 pub use transport::fault::{FaultInjector, FaultKind, FaultPoint, FaultRule};
+pub use transport::shm::ShmConfig;
 pub use transport::tcp::TcpConfig;
 pub use transport::{Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};

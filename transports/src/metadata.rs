@@ -88,6 +88,7 @@ mod tests {
             instance,
             tcp: None,
             buffers: vec![],
+            shm: None,
         }
     }
 

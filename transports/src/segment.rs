@@ -31,6 +31,9 @@ pub struct SegmentDescriptor {
     /// The TCP data and control endpoint, if the engine listens.
     pub tcp: Option<SocketAddr>,
     pub buffers: Vec<BufferDescriptor>,
+    /// The shared-memory endpoint for engines on the same host, if enabled.
+    #[serde(default)]
+    pub shm: Option<crate::transport::shm::ShmEndpoint>,
 }
 
 /// Limits on descriptors read from the network.
@@ -70,6 +73,9 @@ impl SegmentDescriptor {
                     self.buffers.len()
                 ),
             ));
+        }
+        if let Some(e) = &self.shm {
+            e.validate()?;
         }
         if let Some(b) = self.buffers.iter().find(|b| b.len == 0) {
             return Err(Error::new(
@@ -111,6 +117,7 @@ mod tests {
                 len: 4096,
                 kind: MemoryKind::Host,
             }],
+            shm: None,
         };
         assert_eq!(SegmentDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
         assert_eq!(

@@ -28,7 +28,7 @@ async fn assert_idle(e: &Engine) {
 #[case::mib_64(64 << 20)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_and_reads_are_bit_exact(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
     #[case] size: usize,
 ) {
     let e = engines(transport, 2).await;
@@ -75,7 +75,7 @@ async fn writes_and_reads_are_bit_exact(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_batches_between_several_engines(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
 ) {
     const N: usize = 4;
     const TASKS: usize = 4;
@@ -143,7 +143,7 @@ async fn many_concurrent_batches_between_several_engines(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_outside_a_grant_are_refused_and_touch_nothing(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
 ) {
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
@@ -209,7 +209,7 @@ async fn writes_outside_a_grant_are_refused_and_touch_nothing(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
 ) {
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
@@ -241,7 +241,7 @@ async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_times_out_frees_everything_and_fences_the_late_write(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
 ) {
     let (a, b, gate) = gated_pair(transport, 0).await;
     let a_base = a.usage();
@@ -295,7 +295,7 @@ async fn deadline_times_out_frees_everything_and_fences_the_late_write(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
 ) {
     let (a, b, gate) = gated_pair(transport, 1).await;
     let src = a.allocate(4 << 20).unwrap();
@@ -335,7 +335,9 @@ async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
 
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn busy_buffers_refuse_to_unregister(#[values("loopback", "tcp")] transport: &'static str) {
+async fn busy_buffers_refuse_to_unregister(
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
+) {
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let dst = b.allocate(8192).unwrap();
@@ -366,7 +368,7 @@ async fn busy_buffers_refuse_to_unregister(#[values("loopback", "tcp")] transpor
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_errors_that_name_them(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
 ) {
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
@@ -431,7 +433,7 @@ async fn bad_requests_get_errors_that_name_them(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn freeing_a_running_batch_cancels_and_releases(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "shm")] transport: &'static str,
 ) {
     let (a, b, gate) = gated_pair(transport, 0).await;
     let src = a.allocate(4096).unwrap();

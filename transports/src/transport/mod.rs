@@ -17,6 +17,7 @@ use crate::segment::SegmentDescriptor;
 
 pub mod fault;
 pub mod loopback;
+pub mod shm;
 pub mod tcp;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use omnirig_transports::{
-    Engine, EngineConfig, InProcessStore, Link, LinkInfo, Result, SegmentDescriptor, SliceOp,
-    Slicing, TcpConfig, Transport, TransportPolicy, Usage, transport::BoxFuture,
+    Engine, EngineConfig, InProcessStore, Link, LinkInfo, Result, SegmentDescriptor, ShmConfig,
+    SliceOp, Slicing, TcpConfig, Transport, TransportPolicy, Usage, transport::BoxFuture,
 };
 use tokio::sync::{Notify, watch};
 
@@ -36,6 +36,13 @@ pub fn config(name: &str, transport: &'static str, store: &Arc<InProcessStore>) 
         ..TcpConfig::default()
     };
     c.loopback_slice = 1 << 20;
+    if transport == "shm" {
+        c = c.shm_config(ShmConfig {
+            slice_size: 1 << 20,
+            streams: 2,
+            ..ShmConfig::default()
+        });
+    }
     c
 }
 

@@ -1,0 +1,744 @@
+//! shm: engines in different processes of one host. The initiator's registered memory is a
+//! sealed memfd; the grant owner maps it once (`/proc/PID/fd/N`, the pid taken from the
+//! socket's peer credentials, never from the wire) and does the one memcpy itself, under the
+//! grant's fence, exactly as the tcp server lands socket bytes and as loopback copies. So
+//! grants, revocation and late-write refusal mean the same on every transport, and a payload
+//! costs one copy instead of tcp's two plus the wakeups. The protocol is one small request and
+//! one small reply per slice on a Unix socket in the abstract namespace (nothing to clean up
+//! on the filesystem).
+//!
+//! Request (96 bytes, little-endian): magic "OMSH", version, kind (1 share, 2 write, 3 read),
+//! request id, share id, share offset, grant (buffer, epoch, token), grant offset, length,
+//! and for a share the initiator's fd number and the file size. Reply (16 bytes): request id,
+//! status (0, or an [`ErrorKind`] code), detail length, then the detail.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::net::UnixStream;
+use tokio::sync::Semaphore;
+use tracing::{debug, warn};
+
+use crate::batch::Liveness;
+use crate::engine::EngineCore;
+use crate::error::{Error, ErrorKind, Result};
+use crate::grant::GrantRef;
+use crate::memory::PeerMemory;
+use crate::segment::SegmentDescriptor;
+use crate::transport::tcp::frame::{decode_error_body, error_body};
+use crate::transport::{BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+
+const MAGIC: &[u8; 4] = b"OMSH";
+const VERSION: u8 = 1;
+const REQUEST_LEN: usize = 96;
+const REPLY_LEN: usize = 16;
+/// Longest error detail a reply carries.
+const MAX_DETAIL: usize = 4096;
+/// Peer regions one connection keeps mapped; the oldest is unmapped past this.
+const MAX_SHARES: usize = 256;
+/// Largest region a peer may announce (a sanity bound, far above any pool).
+const MAX_SHARE_LEN: u64 = 1 << 40;
+
+/// How the shm transport slices and how long it polls for replies.
+#[derive(Debug, Clone)]
+pub struct ShmConfig {
+    /// Bytes per slice: one request, one memcpy by the owner.
+    pub slice_size: u64,
+    /// Connections per peer (slices in flight per transfer).
+    pub streams: usize,
+    /// Busy-poll window for replies and idle connections, as the tcp transport's.
+    pub busy_poll: Duration,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        Self {
+            slice_size: 4 << 20,
+            streams: 2,
+            busy_poll: Duration::from_micros(50),
+        }
+    }
+}
+
+/// Where an engine's shm endpoint is: an abstract socket name, and the host it lives on (boot
+/// id and pid namespace: `/proc/PID/fd` only means the same thing inside both).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmEndpoint {
+    pub socket: String,
+    pub host: String,
+}
+
+/// Limits on an endpoint read from the network.
+const MAX_SOCKET_NAME: usize = 100;
+const MAX_HOST: usize = 160;
+
+impl ShmEndpoint {
+    pub fn validate(&self) -> Result<()> {
+        if self.socket.is_empty()
+            || self.socket.len() > MAX_SOCKET_NAME
+            || self.host.len() > MAX_HOST
+            || !self.socket.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                format!(
+                    "shm endpoint must name a socket of 1..={MAX_SOCKET_NAME} printable bytes and a host of at most {MAX_HOST}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// This host's identity for [`ShmEndpoint::host`].
+pub fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let pidns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    format!("{}/{pidns}", boot.trim())
+}
+
+fn abstract_addr(name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
+    use std::os::linux::net::SocketAddrExt;
+    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+}
+
+// ---------------------------------------------------------------- wire
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Share = 1,
+    Write = 2,
+    Read = 3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Request {
+    kind: Kind,
+    req_id: u64,
+    share_id: u64,
+    share_offset: u64,
+    grant: GrantRef,
+    grant_offset: u64,
+    len: u64,
+    /// Share: the initiator's descriptor number for the region's memfd.
+    fd: i32,
+}
+
+impl Request {
+    fn encode(&self) -> [u8; REQUEST_LEN] {
+        let mut b = [0u8; REQUEST_LEN];
+        b[0..4].copy_from_slice(MAGIC);
+        b[4] = VERSION;
+        b[5] = self.kind as u8;
+        b[8..16].copy_from_slice(&self.req_id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.share_id.to_le_bytes());
+        b[24..32].copy_from_slice(&self.share_offset.to_le_bytes());
+        b[32..36].copy_from_slice(&self.grant.buffer.to_le_bytes());
+        b[40..48].copy_from_slice(&self.grant.epoch.to_le_bytes());
+        b[48..56].copy_from_slice(&self.grant.token.to_le_bytes());
+        b[56..64].copy_from_slice(&self.grant_offset.to_le_bytes());
+        b[64..72].copy_from_slice(&self.len.to_le_bytes());
+        b[72..76].copy_from_slice(&self.fd.to_le_bytes());
+        b
+    }
+
+    /// Validates magic, version, kind, reserved bytes and ranges before anything is used.
+    fn decode(b: &[u8; REQUEST_LEN]) -> Result<Self> {
+        let bad = |why: String| Error::new(ErrorKind::Malformed, format!("shm request: {why}"));
+        if &b[0..4] != MAGIC {
+            return Err(bad("bad magic".into()));
+        }
+        if b[4] != VERSION {
+            return Err(bad(format!(
+                "version {} (this engine speaks {VERSION})",
+                b[4]
+            )));
+        }
+        let kind = match b[5] {
+            1 => Kind::Share,
+            2 => Kind::Write,
+            3 => Kind::Read,
+            k => return Err(bad(format!("unknown kind {k}"))),
+        };
+        if b[6..8]
+            .iter()
+            .chain(&b[36..40])
+            .chain(&b[76..])
+            .any(|&x| x != 0)
+        {
+            return Err(bad("reserved bytes are not zero".into()));
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let r = Request {
+            kind,
+            req_id: u64_at(8),
+            share_id: u64_at(16),
+            share_offset: u64_at(24),
+            grant: GrantRef {
+                buffer: u32::from_le_bytes(b[32..36].try_into().expect("4 bytes")),
+                epoch: u64_at(40),
+                token: u64_at(48),
+            },
+            grant_offset: u64_at(56),
+            len: u64_at(64),
+            fd: i32::from_le_bytes(b[72..76].try_into().expect("4 bytes")),
+        };
+        match kind {
+            Kind::Share if r.fd < 0 || r.len == 0 || r.len > MAX_SHARE_LEN => Err(bad(format!(
+                "share of fd {} with {} bytes (1..={MAX_SHARE_LEN})",
+                r.fd, r.len
+            ))),
+            Kind::Write | Kind::Read if r.len == 0 => Err(bad("zero-length slice".into())),
+            Kind::Write | Kind::Read if r.share_offset.checked_add(r.len).is_none() => {
+                Err(bad("share range overflows".into()))
+            }
+            _ => Ok(r),
+        }
+    }
+}
+
+fn reply_bytes(req_id: u64, outcome: &Result<()>) -> Vec<u8> {
+    let (status, detail) = match outcome {
+        Ok(()) => (0u16, Vec::new()),
+        Err(e) => (e.kind() as u16, error_body(e)),
+    };
+    let mut b = Vec::with_capacity(REPLY_LEN + detail.len());
+    b.extend_from_slice(&req_id.to_le_bytes());
+    b.extend_from_slice(&status.to_le_bytes());
+    b.extend_from_slice(&[0, 0]);
+    b.extend_from_slice(&(detail.len() as u32).to_le_bytes());
+    b.extend_from_slice(&detail);
+    b
+}
+
+// ---------------------------------------------------------------- socket helpers
+
+async fn write_all(s: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        s.writable().await?;
+        match s.try_write(buf) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads exactly `buf.len()` bytes, busy-polling for up to `spin` first (holding the thread
+/// when `hold`, else yielding to the runtime between polls), then parking on the reactor.
+async fn read_exact(s: &UnixStream, buf: &mut [u8], spin: Duration, hold: bool) -> io::Result<()> {
+    let mut got = 0;
+    let until = std::time::Instant::now() + spin;
+    while got < buf.len() {
+        match s.try_read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        if std::time::Instant::now() < until {
+            if hold {
+                std::thread::yield_now();
+            } else {
+                tokio::task::yield_now().await;
+            }
+        } else {
+            s.readable().await?;
+        }
+    }
+    Ok(())
+}
+
+/// Counts one open connection in the engine's liveness while it exists.
+struct Counted(Arc<Liveness>);
+
+impl Counted {
+    fn new(live: &Arc<Liveness>) -> Self {
+        live.connections.fetch_add(1, Ordering::AcqRel);
+        Self(live.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec(&self.0.connections);
+    }
+}
+
+// ---------------------------------------------------------------- server
+
+/// The owner's side: accepts initiators on this host and serves their slices.
+pub(crate) struct ShmServer {
+    pub endpoint: ShmEndpoint,
+    task: tokio::task::JoinHandle<()>,
+    /// Ends every connection's task when the server goes (the engine shut down).
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Drop for ShmServer {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        self.task.abort();
+    }
+}
+
+impl ShmServer {
+    pub async fn bind(core: Arc<EngineCore>, cfg: ShmConfig) -> Result<Self> {
+        let socket = format!("omnirig-shm-{:016x}", core.instance);
+        let listener = abstract_addr(&socket)
+            .and_then(|a| std::os::unix::net::UnixListener::bind_addr(&a))
+            .and_then(|l| {
+                l.set_nonblocking(true)?;
+                tokio::net::UnixListener::from_std(l)
+            })
+            .map_err(|e| Error::io(e, "binding the shm endpoint"))?;
+        let endpoint = ShmEndpoint {
+            socket,
+            host: host_identity(),
+        };
+        let live = core.live.clone();
+        let weak = Arc::downgrade(&core);
+        drop(core);
+        let stop = tokio_util::sync::CancellationToken::new();
+        let stopped = stop.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let Some(core) = weak.upgrade() else { return };
+                // The initiator's pid from the kernel, never from the wire.
+                let pid = match stream.peer_cred().map(|c| c.pid()) {
+                    Ok(Some(pid)) => pid,
+                    _ => {
+                        warn!(engine = %core.name, "shm peer without credentials refused");
+                        continue;
+                    }
+                };
+                let counted = Counted::new(&live);
+                let cfg = cfg.clone();
+                let stopped = stopped.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = serve(core, stream, pid, cfg) => {}
+                        _ = stopped.cancelled() => {}
+                    }
+                    drop(counted);
+                });
+            }
+        });
+        Ok(Self {
+            endpoint,
+            task,
+            stop,
+        })
+    }
+}
+
+/// Peer regions mapped for one connection, oldest first out.
+#[derive(Default)]
+struct Shares {
+    maps: HashMap<u64, Arc<PeerMemory>>,
+    order: VecDeque<u64>,
+}
+
+async fn serve(core: Arc<EngineCore>, stream: UnixStream, pid: i32, cfg: ShmConfig) {
+    let mut shares = Shares::default();
+    let name = core.name.clone();
+    // Only a weak handle across idle waits: a connection must not keep the engine alive.
+    let weak = Arc::downgrade(&core);
+    drop(core);
+    loop {
+        let mut b = [0u8; REQUEST_LEN];
+        if let Err(e) = read_exact(&stream, &mut b, cfg.busy_poll, false).await {
+            debug!(engine = %name, pid, error = %e, "shm connection closed");
+            return;
+        }
+        let req = match Request::decode(&b) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(engine = %name, pid, error = %e, "refusing shm connection: malformed request");
+                let _ = write_all(&stream, &reply_bytes(0, &Err(e))).await;
+                return;
+            }
+        };
+        let outcome = match weak.upgrade() {
+            Some(core) => handle(&core, &mut shares, pid, &req),
+            None => Err(Error::new(
+                ErrorKind::PeerDisconnected,
+                format!("engine {name} is shut down"),
+            )),
+        };
+        if write_all(&stream, &reply_bytes(req.req_id, &outcome))
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+fn handle(core: &EngineCore, shares: &mut Shares, pid: i32, req: &Request) -> Result<()> {
+    match req.kind {
+        Kind::Share => {
+            let len = usize::try_from(req.len)
+                .map_err(|_| Error::new(ErrorKind::InvalidLength, "share too large"))?;
+            let path = std::path::PathBuf::from(format!("/proc/{pid}/fd/{}", req.fd));
+            let mem = Arc::new(PeerMemory::map(&path, len)?);
+            if shares.maps.insert(req.share_id, mem).is_none() {
+                shares.order.push_back(req.share_id);
+            }
+            while shares.order.len() > MAX_SHARES {
+                if let Some(old) = shares.order.pop_front() {
+                    shares.maps.remove(&old);
+                }
+            }
+            Ok(())
+        }
+        Kind::Write | Kind::Read => {
+            let mem = shares.maps.get(&req.share_id).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Malformed,
+                    format!(
+                        "shm region {} was never shared on this connection",
+                        req.share_id
+                    ),
+                )
+            })?;
+            let (op, access) = if req.kind == Kind::Write {
+                (OpKind::Write, OpKind::Write.access())
+            } else {
+                (OpKind::Read, OpKind::Read.access())
+            };
+            let (region, admitted) = core.admit(access, req.grant, req.grant_offset, req.len)?;
+            // The fence: the copy runs under a pin, so a revoke waits for it, and once the
+            // grant is revoked no copy starts.
+            let _pin = admitted.entry.pin()?;
+            match op {
+                OpKind::Write => {
+                    mem.copy_into(req.share_offset, &region, admitted.buffer_offset, req.len)
+                }
+                OpKind::Read => {
+                    mem.copy_from(req.share_offset, &region, admitted.buffer_offset, req.len)
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- client
+
+/// Reaches engines of other processes on this host through shared memory.
+pub struct ShmTransport {
+    cfg: ShmConfig,
+    host: String,
+    live: Arc<Liveness>,
+}
+
+impl ShmTransport {
+    pub(crate) fn new(cfg: ShmConfig, live: Arc<Liveness>) -> Self {
+        Self {
+            cfg,
+            host: host_identity(),
+            live,
+        }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn reaches(&self, peer: &SegmentDescriptor) -> bool {
+        peer.shm.as_ref().is_some_and(|e| e.host == self.host)
+    }
+
+    fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
+        let cfg = self.cfg.clone();
+        let live = self.live.clone();
+        Box::pin(async move {
+            let ep = peer.shm.clone().ok_or_else(|| {
+                Error::new(ErrorKind::NoTransport, "peer has no shm endpoint").with_peer(&peer.name)
+            })?;
+            let first = dial(&ep.socket, &live)
+                .await
+                .map_err(|e| e.with_peer(&peer.name))?;
+            Ok(Arc::new(ShmLink(Arc::new(LinkShared {
+                socket: ep.socket,
+                peer: peer.name,
+                slots: Semaphore::new(cfg.streams.max(1)),
+                idle: Mutex::new(vec![first]),
+                next_req: std::sync::atomic::AtomicU64::new(1),
+                cfg,
+                live,
+            }))) as Arc<dyn Link>)
+        })
+    }
+}
+
+struct Conn {
+    stream: UnixStream,
+    /// Regions this connection already shared with the owner.
+    shared: HashSet<u64>,
+    _counted: Counted,
+}
+
+async fn dial(socket: &str, live: &Arc<Liveness>) -> Result<Conn> {
+    let stream = abstract_addr(socket)
+        .and_then(|a| std::os::unix::net::UnixStream::connect_addr(&a))
+        .and_then(|s| {
+            s.set_nonblocking(true)?;
+            UnixStream::from_std(s)
+        })
+        .map_err(|e| Error::new(ErrorKind::Unreachable, format!("shm {socket}: {e}")))?;
+    Ok(Conn {
+        stream,
+        shared: HashSet::new(),
+        _counted: Counted::new(live),
+    })
+}
+
+struct ShmLink(Arc<LinkShared>);
+
+struct LinkShared {
+    socket: String,
+    peer: String,
+    cfg: ShmConfig,
+    slots: Semaphore,
+    idle: Mutex<Vec<Conn>>,
+    next_req: std::sync::atomic::AtomicU64,
+    live: Arc<Liveness>,
+}
+
+impl LinkShared {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn execute(&self, op: SliceOp) -> Result<()> {
+        let (share_id, fd, file_len) = op.local.shared_file().map(|(i, f, l)| (i, f.as_raw_fd(), l)).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NoTransport,
+                "local buffer is not shareable (an engine with shm enabled allocates shareable buffers)",
+            )
+        })?;
+        let _slot = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| Error::new(ErrorKind::EngineClosed, "link closed"))?;
+        let pooled = self.idle().pop();
+        let mut conn = match pooled {
+            Some(c) => c,
+            None => dial(&self.socket, &self.live).await?,
+        };
+        // Alone on the link, hold the thread for the reply; else let other slices run.
+        let alone = self.slots.available_permits() + 1 >= self.cfg.streams.max(1);
+        // If this future is dropped mid-request, `conn` drops with it, out of sync or not.
+        if !conn.shared.contains(&share_id) {
+            let share = Request {
+                kind: Kind::Share,
+                req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
+                share_id,
+                share_offset: 0,
+                grant: GrantRef {
+                    buffer: 0,
+                    epoch: 0,
+                    token: 0,
+                },
+                grant_offset: 0,
+                len: file_len as u64,
+                fd,
+            };
+            // The fd number stays ours while `op.local` (this region) is alive, which it is.
+            round_trip(&conn.stream, &share, &self.cfg, alone).await??;
+            conn.shared.insert(share_id);
+        }
+        let req = Request {
+            kind: if op.kind == OpKind::Write {
+                Kind::Write
+            } else {
+                Kind::Read
+            },
+            req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
+            share_id,
+            share_offset: op.local_offset,
+            grant: op.grant,
+            grant_offset: op.grant_offset,
+            len: op.len,
+            fd: 0,
+        };
+        let reply = round_trip(&conn.stream, &req, &self.cfg, alone).await?;
+        self.idle().push(conn);
+        reply
+    }
+}
+
+/// Sends one request and reads its reply. `Ok(Err(e))` is the owner's clean refusal (the
+/// connection stays usable); `Err(e)` means the connection is done.
+async fn round_trip(
+    s: &UnixStream,
+    req: &Request,
+    cfg: &ShmConfig,
+    hold: bool,
+) -> Result<Result<()>> {
+    write_all(s, &req.encode())
+        .await
+        .map_err(|e| Error::io(e, "sending shm request"))?;
+    let mut r = [0u8; REPLY_LEN];
+    read_exact(s, &mut r, cfg.busy_poll, hold)
+        .await
+        .map_err(|e| Error::io(e, "reading shm reply"))?;
+    let id = u64::from_le_bytes(r[0..8].try_into().expect("8 bytes"));
+    let status = u16::from_le_bytes(r[8..10].try_into().expect("2 bytes"));
+    let detail_len = u32::from_le_bytes(r[12..16].try_into().expect("4 bytes")) as usize;
+    if detail_len > MAX_DETAIL + 2 {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            format!("shm reply detail of {detail_len} bytes"),
+        ));
+    }
+    let mut detail = vec![0u8; detail_len];
+    read_exact(s, &mut detail, Duration::ZERO, hold)
+        .await
+        .map_err(|e| Error::io(e, "reading shm reply"))?;
+    if id != req.req_id && id != 0 {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            format!(
+                "shm reply for request {id} while waiting for {}",
+                req.req_id
+            ),
+        ));
+    }
+    if status == 0 {
+        Ok(Ok(()))
+    } else if id == 0 {
+        // The owner refused the connection itself.
+        Err(decode_error_body(&detail))
+    } else {
+        Ok(Err(decode_error_body(&detail)))
+    }
+}
+
+impl Link for ShmLink {
+    fn info(&self) -> LinkInfo {
+        LinkInfo {
+            transport: "shm",
+            device: format!("memfd@{}", self.0.socket),
+        }
+    }
+
+    fn slicing(&self) -> Slicing {
+        Slicing {
+            slice_size: self.0.cfg.slice_size,
+            in_flight: self.0.cfg.streams.max(1),
+        }
+    }
+
+    fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
+        let shared = self.0.clone();
+        Box::pin(async move {
+            shared
+                .execute(op)
+                .await
+                .map_err(|e| e.with_peer(&shared.peer))
+        })
+    }
+
+    fn drop_connections(&self) {
+        self.0.idle().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(kind: Kind) -> Request {
+        Request {
+            kind,
+            req_id: 9,
+            share_id: 3,
+            share_offset: 4096,
+            grant: GrantRef {
+                buffer: 2,
+                epoch: 77,
+                token: 0xdead_beef,
+            },
+            grant_offset: 64,
+            len: 1 << 20,
+            fd: 5,
+        }
+    }
+
+    #[test]
+    fn requests_round_trip_and_bad_ones_are_refused() {
+        for k in [Kind::Share, Kind::Write, Kind::Read] {
+            let r = req(k);
+            assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        }
+        let malformed = |mut b: [u8; REQUEST_LEN], i: usize, v: u8| {
+            b[i] = v;
+            Request::decode(&b).unwrap_err().kind()
+        };
+        let good = req(Kind::Write).encode();
+        assert_eq!(malformed(good, 0, b'X'), ErrorKind::Malformed); // magic
+        assert_eq!(malformed(good, 4, 2), ErrorKind::Malformed); // version
+        assert_eq!(malformed(good, 5, 9), ErrorKind::Malformed); // kind
+        assert_eq!(malformed(good, 90, 1), ErrorKind::Malformed); // reserved
+        let zero = Request {
+            len: 0,
+            ..req(Kind::Write)
+        };
+        assert!(Request::decode(&zero.encode()).is_err());
+        let wrap = Request {
+            share_offset: u64::MAX,
+            ..req(Kind::Read)
+        };
+        assert!(Request::decode(&wrap.encode()).is_err());
+        let neg = Request {
+            fd: -1,
+            ..req(Kind::Share)
+        };
+        assert!(Request::decode(&neg.encode()).is_err());
+        let huge = Request {
+            len: MAX_SHARE_LEN + 1,
+            ..req(Kind::Share)
+        };
+        assert!(Request::decode(&huge.encode()).is_err());
+    }
+
+    #[test]
+    fn endpoints_validate() {
+        let ok = ShmEndpoint {
+            socket: "omnirig-shm-1".into(),
+            host: host_identity(),
+        };
+        ok.validate().unwrap();
+        assert!(!ok.host.is_empty());
+        let bad = ShmEndpoint {
+            socket: "has space".into(),
+            ..ok.clone()
+        };
+        assert!(bad.validate().is_err());
+        let long = ShmEndpoint {
+            socket: "x".repeat(MAX_SOCKET_NAME + 1),
+            ..ok
+        };
+        assert!(long.validate().is_err());
+    }
+}
