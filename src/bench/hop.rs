@@ -39,7 +39,7 @@ use omnirig_harness::control::{Link, Msg, NamedDigest, NamedGrant};
 use omnirig_harness::inline::{InlineHandler, InlineReceiver, InlineSender};
 use omnirig_harness::pool::{Lease, Pool};
 use omnirig_transports::{
-    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig,
+    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, ShmConfig, TcpConfig,
     TransportPolicy,
 };
 use serde::{Deserialize, Serialize};
@@ -620,7 +620,12 @@ pub fn inline_handler(pool: Arc<Pool>, rt: tokio::runtime::Handle) -> InlineHand
 
 /// `omnirig bench hop-peer`: a consumer stage in its own process (engine over tcp, control
 /// channel over tcp); exits when stdin closes or on `Shutdown`.
-pub fn serve_peer(pool_bytes: u64, cpu: Option<usize>, tcp: TcpConfig) -> anyhow::Result<()> {
+pub fn serve_peer(
+    pool_bytes: u64,
+    cpu: Option<usize>,
+    shm: bool,
+    tcp: TcpConfig,
+) -> anyhow::Result<()> {
     if let Some(c) = cpu {
         super::cpus::pin(c)?;
     }
@@ -628,14 +633,13 @@ pub fn serve_peer(pool_bytes: u64, cpu: Option<usize>, tcp: TcpConfig) -> anyhow
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let engine = Arc::new(
-            Engine::new(
-                EngineConfig::new(format!("hop-consumer-{}", std::process::id()))
-                    .store(InProcessStore::new())
-                    .tcp_config(tcp),
-            )
-            .await?,
-        );
+        let mut cfg = EngineConfig::new(format!("hop-consumer-{}", std::process::id()))
+            .store(InProcessStore::new())
+            .tcp_config(tcp);
+        if shm {
+            cfg = cfg.shm_config(ShmConfig::default());
+        }
+        let engine = Arc::new(Engine::new(cfg).await?);
         let pool = Pool::new(&engine, "bench.in", pool_bytes)?;
         // Touch the pool once, as registration does for RDMA: no first-touch page faults
         // land in the timed handoffs.
@@ -671,12 +675,20 @@ pub struct ConsumerProcess {
 }
 
 impl ConsumerProcess {
-    pub fn spawn(pool_bytes: u64, tcp: &TcpConfig, cpu: Option<usize>) -> anyhow::Result<Self> {
+    pub fn spawn(
+        pool_bytes: u64,
+        tcp: &TcpConfig,
+        cpu: Option<usize>,
+        transport: &str,
+    ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the omnirig binary")?;
         let mut cmd = Command::new(exe);
         cmd.args(["bench", "hop-peer", "--pool-bytes", &pool_bytes.to_string()]);
         if let Some(c) = cpu {
             cmd.args(["--cpu", &c.to_string()]);
+        }
+        if transport == "shm" {
+            cmd.arg("--shm");
         }
         let mut child = cmd
             .args(["--slice-size", &tcp.slice_size.to_string()])
@@ -713,10 +725,24 @@ impl Drop for ConsumerProcess {
 }
 
 pub fn engine_config(name: &str, transport: &'static str, tcp: &TcpConfig) -> EngineConfig {
-    EngineConfig::new(name)
+    let c = EngineConfig::new(name)
         .store(InProcessStore::new())
         .policy(TransportPolicy::Only(transport))
-        .tcp_config(tcp.clone())
+        .tcp_config(tcp.clone());
+    if transport == "shm" {
+        c.shm_config(ShmConfig::default())
+    } else {
+        c
+    }
+}
+
+/// The transports the hop and pipeline suites run omnirig over.
+pub fn parse_transport(s: &str) -> anyhow::Result<&'static str> {
+    match s {
+        "tcp" => Ok("tcp"),
+        "shm" => Ok("shm"),
+        other => bail!("transport {other:?}: tcp or shm"),
+    }
 }
 
 /// A producer connected to a consumer process over tcp (engine and control channel).
@@ -880,6 +906,8 @@ pub struct Options {
     pub tcp: TcpConfig,
     /// Sender side and receiver side CPUs (both omnirig and the baseline); None: unpinned.
     pub cpus: Option<super::cpus::CpuPair>,
+    /// omnirig's transport between the two processes: "tcp" or "shm".
+    pub transport: &'static str,
 }
 
 pub fn run(o: &Options) -> anyhow::Result<Results> {
@@ -900,7 +928,7 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
     let rows = rt.block_on(suite(o))?;
     Ok(Results {
         suite: "hop".into(),
-        transport: "tcp".into(),
+        transport: o.transport.into(),
         rows,
     })
 }
@@ -931,7 +959,8 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
         );
     }
     let scratch = Scratch::new("bench-hop")?;
-    let src_engine = Arc::new(Engine::new(engine_config("hop-producer", "tcp", &o.tcp)).await?);
+    let src_engine =
+        Arc::new(Engine::new(engine_config("hop-producer", o.transport, &o.tcp)).await?);
     progress(&format!(
         "generating {} payloads of {} case(s)",
         kind.as_str(),
@@ -946,7 +975,12 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
     )?;
 
     progress("starting the consumer process and the Python baseline");
-    let peer = ConsumerProcess::spawn(2 * max + (1 << 20), &o.tcp, o.cpus.map(|c| c.receiver))?;
+    let peer = ConsumerProcess::spawn(
+        2 * max + (1 << 20),
+        &o.tcp,
+        o.cpus.map(|c| c.receiver),
+        o.transport,
+    )?;
     let prod =
         connect_producer(&peer.hello, src_engine.clone(), src.clone(), o.inline_below).await?;
     let mut py = Python::spawn(&o.python, &o.script, o.cpus.map(|c| c.receiver))?;
@@ -1060,9 +1094,13 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             progress("WARNING: the Python side did not verify digests");
         }
         let inline = p.total <= o.inline_below;
-        let op = if inline { "hop-tcp-inline" } else { "hop-tcp" };
+        let op = if inline {
+            format!("hop-{}-inline", o.transport)
+        } else {
+            format!("hop-{}", o.transport)
+        };
         for (name, b) in [("pickle", &pk), ("pickle5-oob", &p5)] {
-            let mut row = Row::new(op, p.total, &ours, name, b);
+            let mut row = Row::new(&op, p.total, &ours, name, b);
             row.case = Some(p.case.clone());
             row.hop = Some(hop_label(kind).into());
             row.attach_samples(&ours, b);
@@ -1098,9 +1136,9 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
 pub fn verdicts(r: &Results) -> Vec<String> {
     let mut out = Vec::new();
     let tcp = |base: &'static str| {
-        r.rows
-            .iter()
-            .filter(move |x| x.op.starts_with("hop-tcp") && x.baseline.name == base)
+        r.rows.iter().filter(move |x| {
+            x.op.starts_with("hop-") && !x.op.starts_with("hop-loopback") && x.baseline.name == base
+        })
     };
     let hop = r
         .rows
@@ -1119,7 +1157,8 @@ pub fn verdicts(r: &Results) -> Vec<String> {
     for &(base, need) in targets {
         if let Some(min) = tcp(base).min_by(|a, b| p50x(a).total_cmp(&p50x(b))) {
             out.push(format!(
-                "{hop} >= {need}x {base} (p50 round trip incl. every control message, tcp, two processes): {} (lowest {:.2}x: {} {}, {:.1} us vs {:.1} us; mean-rate ratio {:.2}x)",
+                "{hop} >= {need}x {base} (p50 round trip incl. every control message, omnirig over {}, two processes): {} (lowest {:.2}x: {} {}, {:.1} us vs {:.1} us; mean-rate ratio {:.2}x)",
+                r.transport,
                 if p50x(min) >= need { "met" } else { "MISSED" },
                 p50x(min),
                 min.case.as_deref().unwrap_or("?"),

@@ -47,6 +47,8 @@ pub struct Options {
     pub tcp: TcpConfig,
     /// Registered receive pool per stage (reservations wait for room: backpressure).
     pub pool_bytes: u64,
+    /// omnirig's transport between the stage processes: "tcp" or "shm".
+    pub transport: &'static str,
 }
 
 /// The scenario's requests, in order: (label, spec, per hop in pipeline order: tensors).
@@ -80,7 +82,7 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
     let rows = rt.block_on(suite(o))?;
     Ok(Results {
         suite: "pipeline".into(),
-        transport: "tcp".into(),
+        transport: o.transport.into(),
         rows,
     })
 }
@@ -114,7 +116,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
         let engine = Arc::new(
             Engine::new(engine_config(
                 &format!("pipe-{}", hop_label(kind)),
-                "tcp",
+                o.transport,
                 &o.tcp,
             ))
             .await?,
@@ -127,7 +129,12 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             hop_files[*ci][hi] = Some(path);
             payloads[*ci][hi] = Some(p);
         }
-        let peer = ConsumerProcess::spawn(o.pool_bytes.max(2 * max + (1 << 20)), &o.tcp, None)?;
+        let peer = ConsumerProcess::spawn(
+            o.pool_bytes.max(2 * max + (1 << 20)),
+            &o.tcp,
+            None,
+            o.transport,
+        )?;
         producers.push(connect_producer(&peer.hello, engine, src, o.inline_below).await?);
         consumers.push(peer);
     }

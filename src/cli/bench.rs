@@ -47,6 +47,10 @@ pub struct CommonArgs {
     /// Write the results as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// omnirig's transport between the processes: tcp, or shm (same host: sealed memfds, one
+    /// copy by the grant owner).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
+    pub transport: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -107,6 +111,9 @@ pub struct HopPeerArgs {
     /// Pin the consumer to this CPU.
     #[arg(long)]
     cpu: Option<usize>,
+    /// Also serve peers of this host over shm.
+    #[arg(long)]
+    shm: bool,
     #[arg(long)]
     slice_size: u64,
     #[arg(long)]
@@ -266,6 +273,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     }
                 },
                 cpus: bench::cpus::parse(&a.cpus)?,
+                transport: hop::parse_transport(&a.common.transport)?,
             };
             let results = hop::run(&opts)?;
             emit(&results, hop::verdicts(&results), a.common.json.as_deref())
@@ -295,6 +303,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 script: a.common.script(),
                 tcp: TcpConfig::default(),
                 pool_bytes: one_size(&a.pool, "pool")?,
+                transport: hop::parse_transport(&a.common.transport)?,
             };
             let results = pipeline::run(&opts)?;
             emit(
@@ -306,6 +315,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::HopPeer(p) => hop::serve_peer(
             p.pool_bytes,
             p.cpu,
+            p.shm,
             TcpConfig {
                 slice_size: p.slice_size,
                 max_payload: p.slice_size.max(TcpConfig::default().max_payload),
