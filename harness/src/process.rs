@@ -15,8 +15,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use omnirig_fixtures::{RequestPlan, RequestSpec, Stage};
-use omnirig_transports::{Engine, EngineConfig, InProcessStore, TransportPolicy};
+use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
+use omnirig_transports::{Engine, EngineConfig, InProcessStore, ShmConfig, TransportPolicy};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
 
@@ -51,12 +51,22 @@ impl Remote {
         let addr = listener.local_addr()?;
         let mut children = Vec::new();
         for stage in Stage::ALL {
+            let hop_transport = |k: Option<PayloadKind>| -> Result<&'static str> {
+                Ok(match k {
+                    Some(k) => process_transport(scenario.transport_for(k)?),
+                    None => "tcp",
+                })
+            };
             let child = Command::new(exe)
                 .arg("stage")
                 .arg("--stage")
                 .arg(stage.as_str())
                 .arg("--orchestrator")
                 .arg(addr.to_string())
+                .arg("--in-transport")
+                .arg(hop_transport(inbound_kind(stage))?)
+                .arg("--out-transport")
+                .arg(hop_transport(outbound_kind(stage))?)
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .kill_on_drop(true)
@@ -200,20 +210,40 @@ fn addr_of(e: &Engine) -> Option<String> {
     e.tcp_addr().map(|a| a.to_string())
 }
 
-/// The body of `omnirig stage`: one stage as its own process.
-pub async fn run_stage_process(stage: Stage, orchestrator: SocketAddr) -> Result<()> {
+/// The transport a hop uses when its stages are processes: loopback cannot cross a process,
+/// so it becomes tcp; tcp and shm stay.
+pub fn process_transport(scenario_transport: &'static str) -> &'static str {
+    match scenario_transport {
+        "loopback" => "tcp",
+        t => t,
+    }
+}
+
+/// The body of `omnirig stage`: one stage as its own process. `in_transport` and
+/// `out_transport` ("tcp" or "shm") are its inbound and outbound hops' transports.
+pub async fn run_stage_process(
+    stage: Stage,
+    orchestrator: SocketAddr,
+    in_transport: &'static str,
+    out_transport: &'static str,
+) -> Result<()> {
     let store = InProcessStore::new();
-    let engine = |side: &str| {
-        EngineConfig::new(format!("p{}-{stage}-{side}", std::process::id()))
+    let engine = |side: &str, transport: &'static str| {
+        let c = EngineConfig::new(format!("p{}-{stage}-{side}", std::process::id()))
             .store(store.clone())
-            .policy(TransportPolicy::Only("tcp"))
+            .policy(TransportPolicy::Only(transport));
+        if transport == "shm" {
+            c.shm_config(ShmConfig::default())
+        } else {
+            c
+        }
     };
     let engine_in = match inbound_kind(stage) {
-        Some(_) => Some(Arc::new(Engine::new(engine("in")).await?)),
+        Some(_) => Some(Arc::new(Engine::new(engine("in", in_transport)).await?)),
         None => None,
     };
     let engine_out = match outbound_kind(stage) {
-        Some(_) => Some(Arc::new(Engine::new(engine("out")).await?)),
+        Some(_) => Some(Arc::new(Engine::new(engine("out", out_transport)).await?)),
         None => None,
     };
     let control = TcpListener::bind("127.0.0.1:0").await?;

@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
 use omnirig_transports::{
-    Engine, EngineConfig, FaultInjector, InProcessStore, MetadataStore, TransportDecorator,
-    TransportPolicy,
+    Engine, EngineConfig, FaultInjector, InProcessStore, MetadataStore, ShmConfig,
+    TransportDecorator, TransportPolicy,
 };
 
 use crate::control::Link;
@@ -93,6 +93,9 @@ pub async fn local_stages(
                 .policy(TransportPolicy::Only(transport));
             if transport == "loopback" {
                 c = c.tcp_listen(None);
+            }
+            if transport == "shm" {
+                c = c.shm_config(ShmConfig::default());
             }
             c
         };
@@ -224,7 +227,7 @@ impl Runner {
         let mut transports = BTreeMap::new();
         for k in PayloadKind::ALL {
             let t = if self.processes.is_some() {
-                "tcp"
+                crate::process::process_transport(self.scenario.transport_for(k)?)
             } else {
                 self.scenario.transport_for(k)?
             };

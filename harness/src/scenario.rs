@@ -39,8 +39,8 @@ use crate::stage::{PoolSizes, StageConfig};
 /// The scenario `omnirig run` uses without a file.
 pub const DEFAULT_SCENARIO_YAML: &str = include_str!("../scenarios/default.yaml");
 
-/// Transports a hop may use.
-pub const TRANSPORTS: [&str; 2] = ["loopback", "tcp"];
+/// Transports a hop may use (loopback: one process; shm: processes of one host; tcp: any).
+pub const TRANSPORTS: [&str; 3] = ["loopback", "tcp", "shm"];
 
 fn default_name() -> String {
     "scenario".into()
@@ -223,10 +223,12 @@ fn bad(source: &str, reason: impl Into<String>) -> HarnessError {
 
 /// The static name of a transport, or an error naming the field.
 pub fn transport_name(s: &str, field: &str) -> Result<&'static str> {
-    TRANSPORTS
-        .into_iter()
-        .find(|t| *t == s)
-        .ok_or_else(|| bad(field, format!("unknown transport {s:?} (loopback, tcp)")))
+    TRANSPORTS.into_iter().find(|t| *t == s).ok_or_else(|| {
+        bad(
+            field,
+            format!("unknown transport {s:?} (loopback, tcp, shm)"),
+        )
+    })
 }
 
 impl Scenario {

@@ -12,10 +12,11 @@ pub struct RunArgs {
     /// Write `report.json` (and its plots, under `plots/`) into this directory.
     #[arg(long)]
     report: Option<PathBuf>,
-    /// Run each stage as its own OS process, over tcp on 127.0.0.1.
+    /// Run each stage as its own OS process on this host: hops the scenario puts on loopback
+    /// go over tcp on 127.0.0.1 instead; tcp and shm hops keep their transport.
     #[arg(long)]
     processes: bool,
-    /// Use this transport for every hop (loopback, tcp), overriding the scenario.
+    /// Use this transport for every hop (loopback, tcp, shm), overriding the scenario.
     #[arg(long)]
     transport: Option<String>,
     /// Requests in flight at most, overriding the scenario.
@@ -34,10 +35,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     if let Some(t) = &args.transport {
         scenario = scenario.with_transport(t);
-    }
-    if args.processes {
-        // Loopback cannot cross processes.
-        scenario = scenario.with_transport("tcp");
     }
     if let Some(c) = args.concurrency {
         scenario.concurrency = c;

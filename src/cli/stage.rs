@@ -13,6 +13,16 @@ pub struct StageArgs {
     /// The orchestrator's control address.
     #[arg(long)]
     orchestrator: SocketAddr,
+    /// The inbound hop's transport.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
+    in_transport: String,
+    /// The outbound hop's transport.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
+    out_transport: String,
+}
+
+fn transport(s: &str) -> &'static str {
+    if s == "shm" { "shm" } else { "tcp" }
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
@@ -23,6 +33,8 @@ pub fn run(args: StageArgs) -> anyhow::Result<()> {
     rt.block_on(omnirig_harness::process::run_stage_process(
         stage,
         args.orchestrator,
+        transport(&args.in_transport),
+        transport(&args.out_transport),
     ))?;
     Ok(())
 }
