@@ -35,13 +35,23 @@ async fn every_golden_case_in_one_process_loopback() {
 
 #[test]
 fn five_stage_processes_over_tcp_on_loopback_interface() {
-    let dir = out_dir("processes");
+    five_stage_processes("tcp");
+}
+
+/// The same over shared memory: every stage process maps its upstream's sealed memfds.
+#[test]
+fn five_stage_processes_over_shm() {
+    five_stage_processes("shm");
+}
+
+fn five_stage_processes(transport: &str) {
+    let dir = out_dir(&format!("processes-{transport}"));
     std::fs::create_dir_all(&dir).unwrap();
     let scenario = dir.join("scenario.yaml");
     // Every golden case, plus a repeat for EC dedupe and a KV prefix hit.
     std::fs::write(
         &scenario,
-        "name: processes\nconcurrency: 2\nrequests:\n  - case: text_short\n  - case: image_audio\n    repeat: 2\n  - case: long_audio\n  - case: video_large_kv\n",
+        format!("name: processes\ntransport: {transport}\nconcurrency: 2\nrequests:\n  - case: text_short\n  - case: image_audio\n    repeat: 2\n  - case: long_audio\n  - case: video_large_kv\n"),
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_omnirig"))
@@ -64,7 +74,7 @@ fn five_stage_processes_over_tcp_on_loopback_interface() {
     assert_eq!(report["summary"]["failed"], 0);
     assert_eq!(report["summary"]["pools_clean"], true);
     for hop in report["hops"].as_array().unwrap() {
-        assert_eq!(hop["transport"], "tcp");
+        assert_eq!(hop["transport"], transport);
     }
     for r in report["requests"].as_array().unwrap() {
         for h in r["hops"].as_array().unwrap() {

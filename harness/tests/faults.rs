@@ -101,7 +101,7 @@ fn assert_late_bytes_refused(r: &Report) {
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn faults_matrix(
-    #[values("loopback", "tcp")] transport: &str,
+    #[values("loopback", "tcp", "shm")] transport: &str,
     #[values(
         PayloadKind::EncoderEmbeddings,
         PayloadKind::KvCache,
@@ -259,7 +259,7 @@ async fn faults_at_random_fail_exactly_their_requests() {
 #[case::kv_pool("kv_cache", "pool_exhausted", "pool_exhausted")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn faults_in_connectors(
-    #[values("loopback", "tcp")] transport: &str,
+    #[values("loopback", "tcp", "shm")] transport: &str,
     #[case] hop: &str,
     #[case] kind: &str,
     #[case] want: &str,

@@ -382,7 +382,12 @@ impl Link for FaultyLink {
                     match op.kind {
                         OpKind::Write => {
                             // Send a copy with one byte flipped; the source stays intact.
-                            let copy = Region::allocate(op.len as usize, false)?;
+                            // Of the same kind as the source, so shm can still share it.
+                            let copy = if op.local.shared_file().is_some() {
+                                Region::allocate_shared(op.len as usize, false)?
+                            } else {
+                                Region::allocate(op.len as usize, false)?
+                            };
                             op.local.copy_to(op.local_offset, &copy, 0, op.len)?;
                             copy.with_mut_slice(at, 1, |b| b[0] ^= 0x5a)?;
                             link.execute(SliceOp {

@@ -722,6 +722,70 @@ mod tests {
         assert!(Request::decode(&huge.encode()).is_err());
     }
 
+    proptest::proptest! {
+        /// Any 96 bytes: decoded or refused, never a panic; what decodes re-encodes the same.
+        #[test]
+        fn arbitrary_requests_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, REQUEST_LEN)) {
+            let b: [u8; REQUEST_LEN] = bytes.try_into().unwrap();
+            if let Ok(r) = Request::decode(&b) {
+                proptest::prop_assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+            }
+        }
+
+        /// Valid headers with random fields round-trip or are refused for a named reason.
+        #[test]
+        fn valid_magic_random_fields(kind in 1u8..=3, rest in proptest::collection::vec(proptest::num::u8::ANY, REQUEST_LEN - 8)) {
+            let mut b = [0u8; REQUEST_LEN];
+            b[0..4].copy_from_slice(MAGIC);
+            b[4] = VERSION;
+            b[5] = kind;
+            b[8..].copy_from_slice(&rest);
+            match Request::decode(&b) {
+                Ok(r) => proptest::prop_assert_eq!(Request::decode(&r.encode()).unwrap(), r),
+                Err(e) => proptest::prop_assert_eq!(e.kind(), ErrorKind::Malformed),
+            }
+        }
+    }
+
+    #[test]
+    fn peer_memory_refuses_unsealed_and_short_files() {
+        use crate::memory::{PeerMemory, Region};
+        use std::os::fd::AsRawFd;
+        // A plain file can shrink under a mapping: refused.
+        let path = std::env::temp_dir().join(format!("omnirig-shm-test-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; 8192]).unwrap();
+        let e = PeerMemory::map(&path, 4096).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Malformed, "{e}");
+        assert!(e.to_string().contains("not sealed"), "{e}");
+        let _ = std::fs::remove_file(&path);
+        // A sealed region announced larger than it is: refused.
+        let r = Region::allocate_shared(4096, false).unwrap();
+        let (_, fd, len) = r.shared_file().unwrap();
+        let proc_path = std::path::PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            fd.as_raw_fd()
+        ));
+        let e = PeerMemory::map(&proc_path, len + 4096).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Malformed, "{e}");
+        // The real thing maps, and copies stay inside it.
+        r.write(0, b"omnirig").unwrap();
+        let m = PeerMemory::map(&proc_path, len).unwrap();
+        let dst = Region::allocate(4096, false).unwrap();
+        m.copy_into(0, &dst, 0, 7).unwrap();
+        let mut got = [0u8; 7];
+        dst.read(0, &mut got).unwrap();
+        assert_eq!(&got, b"omnirig");
+        assert_eq!(
+            m.copy_into(len as u64 - 3, &dst, 0, 7).unwrap_err().kind(),
+            ErrorKind::OutOfBuffer
+        );
+        assert_eq!(
+            m.copy_from(u64::MAX, &dst, 0, 7).unwrap_err().kind(),
+            ErrorKind::OutOfBuffer
+        );
+    }
+
     #[test]
     fn endpoints_validate() {
         let ok = ShmEndpoint {
