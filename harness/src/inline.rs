@@ -4,11 +4,13 @@
 //! reservation / grant / write / packet round trips cost more than the bytes: one round trip
 //! instead of three, and no wake-up of a parked reader on either side within `spin`.
 //!
-//! Frame: `u32 BE total`, `u32 BE sidecar length`, sidecar (packet v1 msgpack), then every
-//! entry's bytes in entry order. Status: `0` (the receiver has the tensors), or `1`, `u32 BE
-//! length`, UTF-8 cause. Frames over [`MAX_INLINE`] are refused.
+//! Frame: `u32 BE total`, `u32 BE sidecar length`, sidecar (packet v1 msgpack), then the
+//! packet's bytes in the packet layout ([`packet_layout`]: entry order, each entry at a
+//! 64-byte boundary). The sender writes them straight from where they live and the receiver
+//! reads them straight into its pool: no copy but the kernel's. Status: `0` (the receiver has
+//! the tensors), or `1`, `u32 BE length`, UTF-8 cause. Frames over [`MAX_INLINE`] are refused.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -58,10 +60,45 @@ fn write_blocking(s: &mut TcpStream, buf: &[u8]) -> std::io::Result<()> {
     s.write_all(buf)
 }
 
+/// Writes `a` then `b`, in as few system calls as the kernel allows.
+fn write2_blocking(s: &mut TcpStream, a: &[u8], b: &[u8]) -> std::io::Result<()> {
+    s.set_nonblocking(false)?;
+    let (mut a, mut b) = (a, b);
+    while !a.is_empty() || !b.is_empty() {
+        let n = match s.write_vectored(&[IoSlice::new(a), IoSlice::new(b)]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        let from_a = n.min(a.len());
+        a = &a[from_a..];
+        b = &b[n - from_a..];
+    }
+    Ok(())
+}
+
+/// Where each entry of a packet sits in its bytes: entry order, each at a 64-byte boundary.
+/// Returns the offsets and the span (the inline frame's payload length; the stage hops'
+/// consumers reserve and grant the same layout).
+pub fn packet_layout<'a>(lens: impl IntoIterator<Item = &'a u64>) -> (Vec<u64>, u64) {
+    let mut at = 0u64;
+    let offsets = lens
+        .into_iter()
+        .map(|len| {
+            let o = at;
+            at += len.next_multiple_of(64);
+            o
+        })
+        .collect();
+    (offsets, at)
+}
+
 /// The sending end (one per peer); `send` is synchronous and meant for small frames.
 #[derive(Debug)]
 pub struct InlineSender {
-    stream: Mutex<TcpStream>,
+    /// The connection and the frame buffer, reused so a send allocates nothing.
+    stream: Mutex<(TcpStream, Vec<u8>)>,
     spin: Duration,
 }
 
@@ -70,43 +107,47 @@ impl InlineSender {
         let s = TcpStream::connect(addr).map_err(|e| err("connect", e))?;
         s.set_nodelay(true).map_err(|e| err("nodelay", e))?;
         Ok(Self {
-            stream: Mutex::new(s),
+            stream: Mutex::new((s, Vec::new())),
             spin,
         })
     }
 
-    /// Sends `sidecar` and `parts` (the entries' bytes, in order) and waits for the status.
-    pub fn send(&self, sidecar: &[u8], parts: &[&[u8]]) -> Result<()> {
-        let body: usize = 4 + sidecar.len() + parts.iter().map(|p| p.len()).sum::<usize>();
+    /// Sends `sidecar` and `span` (the packet's bytes in [`packet_layout`]) and waits for
+    /// the status.
+    pub fn send(&self, sidecar: &[u8], span: &[u8]) -> Result<()> {
+        let body: usize = 4 + sidecar.len() + span.len();
         if body > MAX_INLINE {
             return Err(err("send", format!("{body} bytes exceeds {MAX_INLINE}")));
         }
-        let mut frame = Vec::with_capacity(4 + body);
-        frame.extend_from_slice(&(body as u32).to_be_bytes());
-        frame.extend_from_slice(&(sidecar.len() as u32).to_be_bytes());
-        frame.extend_from_slice(sidecar);
-        for p in parts {
-            frame.extend_from_slice(p);
-        }
-        let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        write_blocking(&mut s, &frame).map_err(|e| err("write", e))?;
+        let mut guard = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let (s, head) = &mut *guard;
+        head.clear();
+        head.extend_from_slice(&(body as u32).to_be_bytes());
+        head.extend_from_slice(&(sidecar.len() as u32).to_be_bytes());
+        head.extend_from_slice(sidecar);
+        write2_blocking(s, head, span).map_err(|e| err("write", e))?;
         let mut st = [0u8; 1];
-        read_polled(&mut s, &mut st, self.spin).map_err(|e| err("status", e))?;
+        read_polled(s, &mut st, self.spin).map_err(|e| err("status", e))?;
         if st[0] == 0 {
             return Ok(());
         }
         let mut n = [0u8; 4];
-        read_polled(&mut s, &mut n, self.spin).map_err(|e| err("status", e))?;
+        read_polled(s, &mut n, self.spin).map_err(|e| err("status", e))?;
         let mut cause = vec![0u8; (u32::from_be_bytes(n) as usize).min(1 << 16)];
-        read_polled(&mut s, &mut cause, self.spin).map_err(|e| err("status", e))?;
+        read_polled(s, &mut cause, self.spin).map_err(|e| err("status", e))?;
         Err(err("refused", String::from_utf8_lossy(&cause)))
     }
 }
 
-/// What the receiving stage does with a frame: land the bytes (`packet`'s entries, in order,
-/// concatenated in `bytes`) and check them; `Err` is sent back as the cause.
+/// Reads the frame's payload (exactly the span's bytes) into the given slice.
+pub type SpanReader<'a> = &'a mut dyn FnMut(&mut [u8]) -> std::io::Result<()>;
+
+/// What the receiving stage does with a frame: given the decoded packet and its span (the
+/// payload's length, already checked against the entries), reserve room, read the payload
+/// straight into it with the reader (at most once), and check it; `Err` is sent back as the
+/// cause (a payload the handler did not read is drained).
 pub type InlineHandler =
-    Arc<dyn Fn(Packet, &[u8]) -> std::result::Result<(), String> + Send + Sync>;
+    Arc<dyn Fn(&Packet, u64, SpanReader<'_>) -> std::result::Result<(), String> + Send + Sync>;
 
 /// The receiving end: a listener; one thread per connection serves frames until it closes.
 pub struct InlineReceiver {
@@ -142,33 +183,47 @@ impl InlineReceiver {
 }
 
 fn serve_conn(s: &mut TcpStream, h: &InlineHandler, spin: Duration) -> std::io::Result<()> {
-    let mut buf = Vec::new();
+    let mut sidecar = Vec::new();
     loop {
-        let mut n = [0u8; 4];
+        let mut n = [0u8; 8];
         read_polled(s, &mut n, spin)?;
-        let len = u32::from_be_bytes(n) as usize;
-        if !(4..=MAX_INLINE).contains(&len) {
-            return Err(std::io::Error::other("inline frame length out of range"));
+        let len = u32::from_be_bytes(n[..4].try_into().expect("4 bytes")) as usize;
+        let side = u32::from_be_bytes(n[4..].try_into().expect("4 bytes")) as usize;
+        if !(4..=MAX_INLINE).contains(&len) || side > len - 4 {
+            return Err(std::io::Error::other("inline frame lengths out of range"));
         }
-        buf.resize(len, 0);
-        read_polled(s, &mut buf, spin)?;
-        let side = u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
-        let r = match buf.get(4..4 + side) {
-            None => Err("sidecar length past the frame".to_string()),
-            Some(sc) => Packet::from_msgpack(sc)
-                .map_err(|e| format!("packet refused: {e}"))
-                .and_then(|p| {
-                    let want: u64 = p.entries.iter().map(|e| e.byte_length).sum();
-                    let bytes = &buf[4 + side..];
-                    if want != bytes.len() as u64 {
-                        return Err(format!(
-                            "entries say {want} bytes, the frame carries {}",
-                            bytes.len()
-                        ));
+        let span = (len - 4 - side) as u64;
+        sidecar.resize(side, 0);
+        read_polled(s, &mut sidecar, spin)?;
+        let mut read = false;
+        let r = Packet::from_msgpack(&sidecar)
+            .map_err(|e| format!("packet refused: {e}"))
+            .and_then(|p| {
+                let (_, want) = packet_layout(p.entries.iter().map(|e| &e.byte_length));
+                if want != span {
+                    return Err(format!(
+                        "entries lay out {want} bytes, the frame carries {span}"
+                    ));
+                }
+                let mut reader = |dst: &mut [u8]| {
+                    if read || dst.len() as u64 != span {
+                        return Err(std::io::Error::other("inline payload read twice or short"));
                     }
-                    h(p, bytes)
-                }),
-        };
+                    read = true;
+                    read_polled(s, dst, spin)
+                };
+                h(&p, span, &mut reader)
+            });
+        if !read {
+            // Keep the stream in step: drop the payload nobody took.
+            let mut left = span as usize;
+            let mut scratch = [0u8; 64 << 10];
+            while left > 0 {
+                let k = left.min(scratch.len());
+                read_polled(s, &mut scratch[..k], spin)?;
+                left -= k;
+            }
+        }
         match r {
             Ok(()) => write_blocking(s, &[0])?,
             Err(cause) => {

@@ -36,7 +36,9 @@ use omnirig_fixtures::{
 };
 use omnirig_harness::Scenario;
 use omnirig_harness::control::{Link, Msg, NamedDigest, NamedGrant};
-use omnirig_harness::inline::{InlineHandler, InlineReceiver, InlineSender};
+use omnirig_harness::inline::{
+    InlineHandler, InlineReceiver, InlineSender, SpanReader, packet_layout,
+};
 use omnirig_harness::pool::{Lease, Pool};
 use omnirig_transports::{
     Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, ShmConfig, TcpConfig,
@@ -176,22 +178,6 @@ pub struct Producer {
 /// Name of the one grant a stage hop's consumer returns: it covers the whole packet.
 pub const PACKET_GRANT: &str = "packet";
 
-/// Where each tensor of a packet sits in the consumer's one reservation: entry order, each
-/// at a 64-byte boundary (the producer stages its tensors the same way, so the whole packet
-/// is one contiguous write). Returns the offsets and the span.
-pub fn packet_layout<'a>(lens: impl IntoIterator<Item = &'a u64>) -> (Vec<u64>, u64) {
-    let mut at = 0u64;
-    let offsets = lens
-        .into_iter()
-        .map(|len| {
-            let o = at;
-            at += len.next_multiple_of(64);
-            o
-        })
-        .collect();
-    (offsets, at)
-}
-
 /// Merges writes that continue each other on both sides (same source buffer, same grant):
 /// one request per contiguous run, so a packet staged contiguously travels as one transfer
 /// (a few large slices instead of a round trip per small tensor).
@@ -249,14 +235,31 @@ impl Producer {
         {
             // One round trip on the busy-polled inline channel; its status is the ack.
             let sidecar = Packet::new(rid, p.kind, 0, true, self.entries(p, None)).to_msgpack()?;
-            let mut bytes = Vec::with_capacity(p.total as usize);
-            for (t, off, _) in &p.tensors {
-                self.src
-                    .view(*off, t.byte_length, |b| bytes.extend_from_slice(b))?;
-            }
+            // The packet's bytes go from registered memory straight to the socket when the
+            // tensors already sit in the packet layout (they do when staged contiguously).
+            let (at, span) = packet_layout(p.tensors.iter().map(|(t, _, _)| &t.byte_length));
+            let base = p.tensors.first().map(|t| t.1).unwrap_or(0);
+            let laid_out = p
+                .tensors
+                .iter()
+                .zip(&at)
+                .all(|((_, off, _), a)| *off == base + a);
+            let send = || -> anyhow::Result<()> {
+                if laid_out {
+                    self.src.view(base, span, |b| inline.send(&sidecar, b))??;
+                } else {
+                    let mut staged = vec![0u8; span as usize];
+                    for ((t, off, _), a) in p.tensors.iter().zip(&at) {
+                        let a = *a as usize;
+                        self.src
+                            .read(*off, &mut staged[a..a + t.byte_length as usize])?;
+                    }
+                    inline.send(&sidecar, &staged)?;
+                }
+                Ok(())
+            };
             // Synchronous and short; on a multi-thread runtime, let other tasks move off
             // this worker while it waits for the status.
-            let send = || inline.send(&sidecar, &[&bytes]);
             match tokio::runtime::Handle::current().runtime_flavor() {
                 tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(send)?,
                 _ => send()?,
@@ -594,25 +597,40 @@ pub const INLINE_SPIN: Duration = Duration::from_micros(50);
 /// The consumer's side of the inline channel: lands every entry in the pool, checks its
 /// digest (a few KiB: cheap), and frees the range (the stage would hold it for the request).
 pub fn inline_handler(pool: Arc<Pool>, rt: tokio::runtime::Handle) -> InlineHandler {
-    Arc::new(move |p: Packet, bytes: &[u8]| {
-        let mut at = 0usize;
-        for e in &p.entries {
-            let n = e.byte_length as usize;
-            let lease = rt
-                .block_on(pool.reserve(e.byte_length, HOP_TIMEOUT))
-                .map_err(|x| x.to_string())?;
-            let b = &bytes[at..at + n];
-            pool.buffer
-                .write(lease.offset, b)
-                .map_err(|x| x.to_string())?;
-            let d = pool
-                .buffer
-                .view(lease.offset, e.byte_length, Digest128::of_bytes)
-                .map_err(|x| x.to_string())?;
-            if d != e.digest {
-                return Err(format!("{}: landed bytes differ from the digest", e.name));
+    // Bytes are checked on the first handoff of each request, as on the grant path and in
+    // the baseline; names, dtypes and lengths on every one.
+    let checked = std::sync::Mutex::new(std::collections::HashSet::<String>::new());
+    Arc::new(move |p: &Packet, span: u64, read: SpanReader<'_>| {
+        let verify = !checked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&p.request_id);
+        if span == 0 {
+            return Ok(());
+        }
+        // One reservation for the packet; the payload lands in it straight from the socket.
+        let lease = rt
+            .block_on(pool.reserve(span, HOP_TIMEOUT))
+            .map_err(|x| x.to_string())?;
+        pool.buffer
+            .fill(lease.offset, span, |dst| read(dst))
+            .map_err(|x| x.to_string())?
+            .map_err(|x| format!("reading the payload: {x}"))?;
+        if verify {
+            let (at, _) = packet_layout(p.entries.iter().map(|e| &e.byte_length));
+            for (e, a) in p.entries.iter().zip(at) {
+                let d = pool
+                    .buffer
+                    .view(lease.offset + a, e.byte_length, Digest128::of_bytes)
+                    .map_err(|x| x.to_string())?;
+                if d != e.digest {
+                    return Err(format!("{}: landed bytes differ from the digest", e.name));
+                }
             }
-            at += n;
+            checked
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(p.request_id.clone());
         }
         Ok(())
     })
@@ -1370,14 +1388,15 @@ mod inline_tests {
         .to_msgpack()
         .unwrap();
         let (tx, good2) = tokio::task::spawn_blocking(move || {
-            let r = tx.send(&good, &[&bytes]);
+            let r = tx.send(&good, &bytes);
             (tx, r.map(|()| bytes))
         })
         .await
         .unwrap();
         let bytes = good2.unwrap();
+        // A request's first frame is checked byte for byte: a wrong digest is refused.
         let bad = Packet::new(
-            "r",
+            "r2",
             PayloadKind::TalkerToCode2wav,
             0,
             true,
@@ -1385,7 +1404,7 @@ mod inline_tests {
         )
         .to_msgpack()
         .unwrap();
-        let e = tokio::task::spawn_blocking(move || tx.send(&bad, &[&bytes]))
+        let e = tokio::task::spawn_blocking(move || tx.send(&bad, &bytes))
             .await
             .unwrap()
             .unwrap_err();
