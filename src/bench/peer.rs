@@ -23,6 +23,8 @@ pub struct Hello {
 pub enum PeerMode {
     /// An omnirig engine serving grants over TCP.
     Engine,
+    /// An omnirig engine serving grants over TCP and shm (same host).
+    ShmEngine,
     /// A plain TCP socket: the physical baseline.
     Raw,
 }
@@ -48,18 +50,19 @@ fn wait_for_stdin_eof() {
 /// Runs the child side; returns when stdin closes.
 pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()> {
     match mode {
-        PeerMode::Engine => {
+        PeerMode::Engine | PeerMode::ShmEngine => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             rt.block_on(async {
                 let name = format!("bench-peer-{}", std::process::id());
-                let engine = Engine::new(
-                    EngineConfig::new(name)
-                        .store(InProcessStore::new())
-                        .tcp_config(tcp),
-                )
-                .await?;
+                let mut cfg = EngineConfig::new(name)
+                    .store(InProcessStore::new())
+                    .tcp_config(tcp);
+                if mode == PeerMode::ShmEngine {
+                    cfg = cfg.shm_config(omnirig_transports::ShmConfig::default());
+                }
+                let engine = Engine::new(cfg).await?;
                 let wbuf = engine.allocate(max_size)?;
                 let rbuf = engine.allocate(max_size)?;
                 rbuf.fill(0, max_size, |b| {
@@ -221,6 +224,7 @@ impl PeerProcess {
         let exe = std::env::current_exe().context("locating the omnirig binary")?;
         let mode = match mode {
             PeerMode::Engine => "engine",
+            PeerMode::ShmEngine => "shm-engine",
             PeerMode::Raw => "raw",
         };
         let mut cmd = Command::new(exe);

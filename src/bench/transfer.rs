@@ -19,6 +19,8 @@ use super::{Results, Row, Samples, human_size, iterations};
 pub enum Which {
     Loopback,
     Tcp,
+    /// Two processes of this host over shared memory; the baseline is memcpy.
+    Shm,
 }
 
 #[derive(Debug, Clone)]
@@ -46,12 +48,14 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
     let rows = match o.transport {
         Which::Loopback => rt.block_on(loopback(o, max))?,
         Which::Tcp => rt.block_on(tcp(o, max))?,
+        Which::Shm => rt.block_on(shm(o, max))?,
     };
     Ok(Results {
         suite: "transfer".into(),
         transport: match o.transport {
             Which::Loopback => "loopback",
             Which::Tcp => "tcp",
+            Which::Shm => "shm",
         }
         .into(),
         rows,
@@ -264,6 +268,77 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     })?;
     if !ok {
         bail!("bytes read over tcp differ from the peer's buffer");
+    }
+    Ok(rows)
+}
+
+/// shm: an engine in another process of this host. Its physical floor is one memcpy between
+/// page-aligned buffers (the shm data path is exactly one copy), timed interleaved with it.
+async fn shm(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
+    progress("starting the engine peer process (shm)");
+    let peer = PeerProcess::spawn(PeerMode::ShmEngine, max, &o.tcp)?;
+    let a = Engine::new(
+        EngineConfig::new(format!("bench-{}", std::process::id()))
+            .store(InProcessStore::new())
+            .policy(TransportPolicy::Only("shm"))
+            .tcp_config(o.tcp.clone())
+            .shm_config(omnirig_transports::ShmConfig::default()),
+    )
+    .await?;
+    let info = a.connect_addr(peer.hello.addr).await?;
+    progress(&format!(
+        "engine peer over {} ({})",
+        info.transport, info.device
+    ));
+    let wg = peer
+        .hello
+        .write_grant
+        .clone()
+        .context("peer sent no write grant")?;
+    let rg = peer
+        .hello
+        .read_grant
+        .clone()
+        .context("peer sent no read grant")?;
+    let src = a.allocate(max)?;
+    src.fill(0, max, |x| x.fill(0x5a))?;
+    let landing = a.allocate(max)?;
+    let msrc = Region::allocate(max as usize, false)?;
+    msrc.with_mut_slice(0, max, |b| b.fill(0x5a))?;
+    let mdst = Region::allocate(max as usize, false)?;
+    let mut rows = Vec::new();
+    for &size in &o.sizes {
+        let iters = iterations(size, o.budget, o.min_iters, o.max_iters);
+        progress(&format!("shm {} x {iters}", human_size(size)));
+        let (mut base, mut w, mut r) = (Samples::new(size), Samples::new(size), Samples::new(size));
+        let write = Request::write(&src, 0, &wg, 0, size);
+        let read = Request::read(&landing, 0, &rg, 0, size);
+        for i in 0..iters + 3 {
+            let t = Instant::now();
+            msrc.copy_to(0, &mdst, 0, size)?;
+            std::hint::black_box(&mdst);
+            let tb = t.elapsed();
+            let t = Instant::now();
+            a.transfer(vec![write.clone()], OP_TIMEOUT).await?;
+            let tw = t.elapsed();
+            let t = Instant::now();
+            a.transfer(vec![read.clone()], OP_TIMEOUT).await?;
+            let tr = t.elapsed();
+            if i >= 3 {
+                base.push(tb);
+                w.push(tw);
+                r.push(tr);
+            }
+        }
+        rows.push(Row::new("write", size, &w, "memcpy", &base));
+        rows.push(Row::new("read", size, &r, "memcpy", &base));
+    }
+    let last = *o.sizes.last().expect("sizes");
+    let ok = landing.view(0, last, |b| {
+        b.iter().enumerate().all(|(i, &x)| x == (i * 7 + 3) as u8)
+    })?;
+    if !ok {
+        bail!("bytes read over shm differ from the peer's buffer");
     }
     Ok(rows)
 }

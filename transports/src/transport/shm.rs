@@ -43,6 +43,8 @@ const MAX_DETAIL: usize = 4096;
 const MAX_SHARES: usize = 256;
 /// Largest region a peer may announce (a sanity bound, far above any pool).
 const MAX_SHARE_LEN: u64 = 1 << 40;
+/// Longest an initiator polls through the owner's copy of one slice before it parks.
+const MAX_COPY_SPIN: Duration = Duration::from_millis(2);
 
 /// How the shm transport slices and how long it polls for replies.
 #[derive(Debug, Clone)]
@@ -233,19 +235,27 @@ async fn write_all(s: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// One non-blocking `recv` straight on the socket, bypassing tokio's cached readiness, so a
+/// busy-poll sees bytes the reactor has not reported yet.
+fn recv_now(s: &UnixStream, buf: &mut [u8]) -> io::Result<usize> {
+    use std::io::Read;
+    (&*socket2::SockRef::from(s)).read(buf)
+}
+
 /// Reads exactly `buf.len()` bytes, busy-polling for up to `spin` first (holding the thread
 /// when `hold`, else yielding to the runtime between polls), then parking on the reactor.
 async fn read_exact(s: &UnixStream, buf: &mut [u8], spin: Duration, hold: bool) -> io::Result<()> {
     let mut got = 0;
     let until = std::time::Instant::now() + spin;
     while got < buf.len() {
-        match s.try_read(&mut buf[got..]) {
+        match recv_now(s, &mut buf[got..]) {
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => {
                 got += n;
                 continue;
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         }
         if std::time::Instant::now() < until {
@@ -254,8 +264,17 @@ async fn read_exact(s: &UnixStream, buf: &mut [u8], spin: Duration, hold: bool) 
             } else {
                 tokio::task::yield_now().await;
             }
-        } else {
-            s.readable().await?;
+            continue;
+        }
+        s.readable().await?;
+        // try_io clears tokio's readiness on WouldBlock, so the next await really parks.
+        match s.try_io(tokio::io::Interest::READABLE, || {
+            recv_now(s, &mut buf[got..])
+        }) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(())
@@ -564,7 +583,7 @@ impl LinkShared {
                 fd,
             };
             // The fd number stays ours while `op.local` (this region) is alive, which it is.
-            round_trip(&conn.stream, &share, &self.cfg, alone).await??;
+            round_trip(&conn.stream, &share, self.cfg.busy_poll, alone).await??;
             conn.shared.insert(share_id);
         }
         let req = Request {
@@ -581,7 +600,10 @@ impl LinkShared {
             len: op.len,
             fd: 0,
         };
-        let reply = round_trip(&conn.stream, &req, &self.cfg, alone).await?;
+        // The owner copies the slice before it replies: poll through the copy too (at a
+        // conservative 4 GB/s), or a parked initiator pays a wake-up per slice.
+        let spin = self.cfg.busy_poll + Duration::from_nanos(op.len / 4).min(MAX_COPY_SPIN);
+        let reply = round_trip(&conn.stream, &req, spin, alone).await?;
         self.idle().push(conn);
         reply
     }
@@ -592,14 +614,14 @@ impl LinkShared {
 async fn round_trip(
     s: &UnixStream,
     req: &Request,
-    cfg: &ShmConfig,
+    spin: Duration,
     hold: bool,
 ) -> Result<Result<()>> {
     write_all(s, &req.encode())
         .await
         .map_err(|e| Error::io(e, "sending shm request"))?;
     let mut r = [0u8; REPLY_LEN];
-    read_exact(s, &mut r, cfg.busy_poll, hold)
+    read_exact(s, &mut r, spin, hold)
         .await
         .map_err(|e| Error::io(e, "reading shm reply"))?;
     let id = u64::from_le_bytes(r[0..8].try_into().expect("8 bytes"));
