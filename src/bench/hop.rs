@@ -173,7 +173,19 @@ pub struct Producer {
     /// The peer's inline channel ([`omnirig_harness::inline`]); without it inline payloads
     /// ride the control channel.
     pub inline: Option<Arc<InlineSender>>,
+    /// Stage hops: the consumer grants each handoff's destination ahead (a credit, sent when
+    /// the request is announced and again with each ack), so a handoff is write -> packet ->
+    /// ack, with no offer / reservation round trip.
+    pub credits: bool,
+    /// Credits that arrived while this side waited for something else, by request.
+    pub held: std::sync::Mutex<std::collections::HashMap<String, Vec<NamedGrant>>>,
 }
+
+/// Inline bodies on the control channel start with this, which no msgpack sidecar does.
+const INLINE_MAGIC: &[u8; 4] = b"INL\x01";
+
+/// Run-key suffix asking the consumer to grant ahead.
+const CREDITS_FLAG: &str = "+credits";
 
 /// Name of the one grant a stage hop's consumer returns: it covers the whole packet.
 pub const PACKET_GRANT: &str = "packet";
@@ -208,9 +220,14 @@ fn hop_uses_packet(kind: PayloadKind) -> bool {
 }
 
 /// `Run` announces a request (and which hop of it) to the consumer, as the orchestrator does.
-pub fn announce(link: &Link, rid: &str, p: &HopPayload) -> anyhow::Result<()> {
+pub fn announce(link: &Link, rid: &str, p: &HopPayload, credits: bool) -> anyhow::Result<()> {
+    let flag = if credits && hop_uses_packet(p.kind) {
+        CREDITS_FLAG
+    } else {
+        ""
+    };
     link.send(Msg::Run {
-        request: format!("{}|{rid}", hop_label(p.kind)),
+        request: format!("{}{flag}|{rid}", hop_label(p.kind)),
         spec: p.spec.clone(),
     })?;
     Ok(())
@@ -227,7 +244,23 @@ pub fn retire(link: &Link, rid: &str) -> anyhow::Result<()> {
 }
 
 impl Producer {
-    /// One hop round trip: offer, reservation, write, packet/finish, ack.
+    /// Retires a request (see [`retire`]), dropping any credit held for it: the consumer
+    /// revokes it when it sees the request retired.
+    pub fn retire(&self, rid: &str) -> anyhow::Result<()> {
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(rid);
+        retire(&self.link, rid)
+    }
+
+    /// Announces a request to the consumer (see [`announce`]).
+    pub fn announce(&self, rid: &str, p: &HopPayload) -> anyhow::Result<()> {
+        announce(&self.link, rid, p, self.credits)
+    }
+
+    /// One hop round trip: offer, reservation, write, packet/finish, ack (with credits:
+    /// write, packet, ack).
     pub async fn send(&self, rid: &str, p: &HopPayload) -> anyhow::Result<()> {
         let link = &self.link;
         if p.total <= self.inline_below
@@ -271,6 +304,7 @@ impl Producer {
             let mut body = Vec::with_capacity(p.total as usize + 512);
             let entries = self.entries(p, None);
             let sidecar = Packet::new(rid, p.kind, 0, true, entries).to_msgpack()?;
+            body.extend_from_slice(INLINE_MAGIC);
             body.extend_from_slice(&(sidecar.len() as u32).to_be_bytes());
             body.extend_from_slice(&sidecar);
             for (t, off, _) in &p.tensors {
@@ -282,13 +316,24 @@ impl Producer {
                 packet: body,
             })?;
         } else {
-            link.send(Msg::Offer {
-                request: rid.into(),
-            })?;
-            let grants = match link.recv(rid, HOP_TIMEOUT).await? {
-                Msg::StageReserve { grants, .. } => grants,
-                Msg::Refuse { cause, .. } => bail!("consumer refused: {cause}"),
-                other => bail!("unexpected {} from the consumer", other.name()),
+            // With credits the destination was granted ahead; else ask for it now.
+            if !(self.credits && hop_uses_packet(p.kind)) {
+                link.send(Msg::Offer {
+                    request: rid.into(),
+                })?;
+            }
+            let held = self
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(rid);
+            let grants = match held {
+                Some(g) => g,
+                None => match link.recv(rid, HOP_TIMEOUT).await? {
+                    Msg::StageReserve { grants, .. } => grants,
+                    Msg::Refuse { cause, .. } => bail!("consumer refused: {cause}"),
+                    other => bail!("unexpected {} from the consumer", other.name()),
+                },
             };
             let mut reqs = Vec::with_capacity(p.tensors.len());
             let mut used = Vec::with_capacity(p.tensors.len());
@@ -341,10 +386,19 @@ impl Producer {
             };
             link.send(reply)?;
         }
-        match link.recv(rid, HOP_TIMEOUT).await? {
-            Msg::Finish { .. } => Ok(()),
-            Msg::Error { cause, failed, .. } => bail!("consumer: {cause} ({failed:?})"),
-            other => bail!("unexpected {} instead of the ack", other.name()),
+        loop {
+            match link.recv(rid, HOP_TIMEOUT).await? {
+                Msg::Finish { .. } => return Ok(()),
+                Msg::Error { cause, failed, .. } => bail!("consumer: {cause} ({failed:?})"),
+                // A credit granted ahead, ahead of this ack: keep it for the next handoff.
+                Msg::StageReserve { grants, .. } if self.credits => {
+                    self.held
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(rid.to_string(), grants);
+                }
+                other => bail!("unexpected {} instead of the ack", other.name()),
+            }
         }
     }
 
@@ -385,6 +439,10 @@ pub async fn serve_consumer(
         match link.recv("", Duration::from_secs(3600)).await {
             Ok(Msg::Run { request, spec }) => {
                 let (hop, rid) = request.split_once('|').context("run key")?;
+                let (hop, credits) = match hop.strip_suffix(CREDITS_FLAG) {
+                    Some(h) => (h, true),
+                    None => (hop, false),
+                };
                 let kind = parse_hop(hop)?;
                 let plan = plan_request(&card, &spec, &options)?;
                 let tensors = plan.hop(kind).context("hop not in plan")?.tensors.clone();
@@ -396,7 +454,7 @@ pub async fn serve_consumer(
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .contains(&key);
-                    let r = consume(&e, &l, &p, &rid, kind, &tensors, done).await;
+                    let r = consume(&e, &l, &p, &rid, kind, &tensors, done, credits).await;
                     if matches!(r, Ok(true)) {
                         checked
                             .lock()
@@ -420,9 +478,55 @@ pub async fn serve_consumer(
     result
 }
 
+/// A stage hop's destination granted ahead: one reservation and one write grant for the
+/// packet layout. Dropped unused, it revokes its grant and frees its room.
+struct Credit<'a> {
+    engine: &'a Engine,
+    grant: NamedGrant,
+    lease: Option<Lease>,
+    at: Vec<u64>,
+}
+
+impl<'a> Credit<'a> {
+    async fn issue(
+        engine: &'a Engine,
+        pool: &Arc<Pool>,
+        tensors: &[TensorSpec],
+    ) -> anyhow::Result<Self> {
+        let (at, span) = packet_layout(tensors.iter().map(|t| &t.byte_length));
+        let lease = pool.reserve(span.max(1), HOP_TIMEOUT).await?;
+        let grant = engine.grant(&pool.buffer, lease.offset, span.max(1), Access::Write)?;
+        let at = at.iter().map(|a| lease.offset + a).collect();
+        Ok(Self {
+            engine,
+            grant: NamedGrant {
+                tensor: PACKET_GRANT.into(),
+                grant,
+            },
+            lease: Some(lease),
+            at,
+        })
+    }
+
+    /// The handoff landed: revoke the grant (the fence: nothing lands after this) and hand
+    /// over the room and where each tensor is.
+    fn redeem(mut self) -> (Lease, Vec<u64>) {
+        self.engine.revoke(&self.grant.grant);
+        let lease = self.lease.take().expect("a credit is redeemed once");
+        (lease, std::mem::take(&mut self.at))
+    }
+}
+
+impl Drop for Credit<'_> {
+    fn drop(&mut self) {
+        self.engine.revoke(&self.grant.grant);
+    }
+}
+
 /// Serves one request key: every offer (or inline packet) on it, until `Refuse` ("done").
 /// Checks the landed bytes against the digests on the first handoff unless `verified`;
 /// returns whether they were checked.
+#[allow(clippy::too_many_arguments)]
 async fn consume(
     engine: &Engine,
     link: &Link,
@@ -431,8 +535,19 @@ async fn consume(
     kind: PayloadKind,
     tensors: &[TensorSpec],
     mut verified: bool,
+    credits: bool,
 ) -> anyhow::Result<bool> {
+    // The destination granted ahead for the next handoff; revoked if it is never used.
+    let mut ahead: Option<Credit<'_>> = None;
     loop {
+        if credits && ahead.is_none() {
+            let c = Credit::issue(engine, pool, tensors).await?;
+            link.send(Msg::StageReserve {
+                request: rid.into(),
+                grants: vec![c.grant.clone()],
+            })?;
+            ahead = Some(c);
+        }
         let msg = link.recv(rid, Duration::from_secs(3600)).await?;
         // Pool space held for this handoff, and where each tensor landed in the pool.
         let mut leases: Vec<Lease> = Vec::with_capacity(tensors.len());
@@ -442,13 +557,29 @@ async fn consume(
                 link.forget(rid);
                 return Ok(verified);
             }
+            Msg::Packet { packet, .. } if !packet.starts_with(INLINE_MAGIC) => {
+                // Written into the credit: fence it, then read the sidecar.
+                match ahead.take() {
+                    Some(c) => {
+                        let (lease, at) = c.redeem();
+                        placed.extend(at);
+                        leases.push(lease);
+                        Packet::from_msgpack(&packet).map_err(|e| e.to_string())
+                    }
+                    None => Err("a packet without a credit or an offer".to_string()),
+                }
+            }
             Msg::Packet { packet, .. } => {
-                // Inline: sidecar length, sidecar, then the tensors' bytes in entry order.
+                // Inline: magic, sidecar length, sidecar, then the tensors' bytes in entry
+                // order.
                 async {
-                    let n =
-                        u32::from_be_bytes(packet[..4].try_into().map_err(|_| "short")?) as usize;
-                    let p = Packet::from_msgpack(&packet[4..4 + n]).map_err(|e| e.to_string())?;
-                    let mut at = 4 + n;
+                    let head = packet.get(4..8).ok_or("inline body short")?;
+                    let n = u32::from_be_bytes(head.try_into().map_err(|_| "short")?) as usize;
+                    let side = packet
+                        .get(8..8usize.saturating_add(n))
+                        .ok_or("inline sidecar length past the body")?;
+                    let p = Packet::from_msgpack(side).map_err(|e| e.to_string())?;
+                    let mut at = 8 + n;
                     for t in tensors {
                         let lease = pool
                             .reserve(t.byte_length, HOP_TIMEOUT)
@@ -571,6 +702,7 @@ async fn consume(
                     request: rid.into(),
                     digests: vec![],
                 })?
+                // (With credits, the next credit follows at the top of the loop.)
             }
             Err(cause) => link.send(Msg::Error {
                 request: rid.into(),
@@ -769,6 +901,7 @@ pub async fn connect_producer(
     src_engine: Arc<Engine>,
     src: Buffer,
     inline_below: u64,
+    credits: bool,
 ) -> anyhow::Result<Producer> {
     src_engine.connect_addr(peer.engine).await?;
     let stream = tokio::net::TcpStream::connect(peer.control).await?;
@@ -778,6 +911,8 @@ pub async fn connect_producer(
         src,
         inline_below,
         inline: Some(Arc::new(InlineSender::connect(peer.inline, INLINE_SPIN)?)),
+        credits,
+        held: Default::default(),
     })
 }
 
@@ -926,6 +1061,8 @@ pub struct Options {
     pub cpus: Option<super::cpus::CpuPair>,
     /// omnirig's transport between the two processes: "tcp" or "shm".
     pub transport: &'static str,
+    /// Stage hops: grant each handoff's destination ahead (see [`Producer::credits`]).
+    pub credits: bool,
 }
 
 pub fn run(o: &Options) -> anyhow::Result<Results> {
@@ -999,8 +1136,14 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
         o.cpus.map(|c| c.receiver),
         o.transport,
     )?;
-    let prod =
-        connect_producer(&peer.hello, src_engine.clone(), src.clone(), o.inline_below).await?;
+    let prod = connect_producer(
+        &peer.hello,
+        src_engine.clone(),
+        src.clone(),
+        o.inline_below,
+        o.credits,
+    )
+    .await?;
     let mut py = Python::spawn(&o.python, &o.script, o.cpus.map(|c| c.receiver))?;
     // The floor: the same bytes through a plain socket between the same CPUs.
     let raw_peer = super::peer::PeerProcess::spawn_on(
@@ -1039,6 +1182,8 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
                 src: lsrc,
                 inline_below: o.inline_below,
                 inline: None,
+                credits: o.credits,
+                held: Default::default(),
             },
             lp,
             task,
@@ -1061,7 +1206,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             per * rounds
         ));
         let rid = format!("hop-{ci}");
-        announce(&prod.link, &rid, p)?;
+        prod.announce(&rid, p)?;
         let warm = 3.min(per).max(1);
         let mut ours = Samples::new(p.total);
         let mut pk = Samples::new(p.total);
@@ -1070,7 +1215,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
         // Warm-ups, the first of which the consumer checks byte for byte.
         timed(&prod, &rid, p, warm, &mut Samples::new(0)).await?;
         if let Some((lprod, lp, _)) = &lb {
-            announce(&lprod.link, &rid, &lp[ci])?;
+            lprod.announce(&rid, &lp[ci])?;
             timed(lprod, &rid, &lp[ci], warm, &mut Samples::new(0)).await?;
         }
         let mut verified = true;
@@ -1087,9 +1232,9 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
                 timed(lprod, &rid, &lp[ci], per, &mut lbs).await?;
             }
         }
-        retire(&prod.link, &rid)?;
+        prod.retire(&rid)?;
         if let Some((lprod, _, _)) = &lb {
-            retire(&lprod.link, &rid)?;
+            lprod.retire(&rid)?;
         }
         let (floor_name, floor) = super::transfer::best_raw(
             &mut raw,
@@ -1314,10 +1459,12 @@ mod tests {
         let a = Arc::new(Engine::new(cfg("t-prod")).await.unwrap());
         let b = Arc::new(Engine::new(cfg("t-cons")).await.unwrap());
         let s = Scenario::golden("text_short", "loopback");
-        for (kind, inline) in [
-            (PayloadKind::ThinkerToTalker, 0),
-            (PayloadKind::TalkerToCode2wav, 1 << 20),
-            (PayloadKind::KvCache, 0),
+        for (kind, inline, credits) in [
+            (PayloadKind::ThinkerToTalker, 0, false),
+            (PayloadKind::ThinkerToTalker, 0, true),
+            (PayloadKind::TalkerToCode2wav, 1 << 20, false),
+            (PayloadKind::TalkerToCode2wav, 1 << 20, true),
+            (PayloadKind::KvCache, 0, true),
         ] {
             let cases = scenario_cases(&s, kind).unwrap();
             let (src, ps, _) = stage_payloads(&a, kind, &cases, None).unwrap();
@@ -1330,12 +1477,14 @@ mod tests {
                 src,
                 inline_below: inline,
                 inline: None,
+                credits,
+                held: Default::default(),
             };
-            announce(&prod.link, "r", &ps[0]).unwrap();
+            prod.announce("r", &ps[0]).unwrap();
             for _ in 0..3 {
                 prod.send("r", &ps[0]).await.unwrap();
             }
-            retire(&prod.link, "r").unwrap();
+            prod.retire("r").unwrap();
             prod.link.send(Msg::Shutdown).unwrap();
             task.await.unwrap().unwrap();
             assert_eq!(pool.usage(), (0, 0));

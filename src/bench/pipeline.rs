@@ -25,8 +25,8 @@ use omnirig_harness::Scenario;
 use omnirig_transports::{Engine, TcpConfig};
 
 use super::hop::{
-    ConsumerProcess, HopPayload, Producer, Python, Scratch, announce, connect_producer,
-    engine_config, hop_label, retire, stage_payloads,
+    ConsumerProcess, HopPayload, Producer, Python, Scratch, connect_producer, engine_config,
+    hop_label, stage_payloads,
 };
 use super::{Results, Row, Samples, human_size_approx};
 
@@ -49,6 +49,8 @@ pub struct Options {
     pub pool_bytes: u64,
     /// omnirig's transport between the stage processes: "tcp" or "shm".
     pub transport: &'static str,
+    /// Stage hops: grant each handoff's destination ahead.
+    pub credits: bool,
 }
 
 /// The scenario's requests, in order: (label, spec, per hop in pipeline order: tensors).
@@ -135,7 +137,8 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             None,
             o.transport,
         )?;
-        producers.push(connect_producer(&peer.hello, engine, src, o.inline_below).await?);
+        producers
+            .push(connect_producer(&peer.hello, engine, src, o.inline_below, o.credits).await?);
         consumers.push(peer);
     }
     let side = Arc::new(Side {
@@ -235,11 +238,11 @@ async fn request(side: &Side, case: usize, rid: &str) -> anyhow::Result<()> {
     for (hi, p) in side.payloads[case].iter().enumerate() {
         let Some(p) = p else { continue };
         let prod = &side.producers[hi];
-        announce(&prod.link, rid, p)?;
+        prod.announce(rid, p)?;
         prod.send(rid, p)
             .await
             .with_context(|| format!("request {rid} hop {}", hop_label(p.kind)))?;
-        retire(&prod.link, rid)?;
+        prod.retire(rid)?;
     }
     Ok(())
 }

@@ -51,6 +51,11 @@ pub struct CommonArgs {
     /// copy by the grant owner).
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
     pub transport: String,
+    /// Stage hops: ask for each handoff's destination with an offer instead of having the
+    /// consumer grant it ahead (credits: granted when the request is announced and again
+    /// with each ack, so a handoff is write -> packet -> ack).
+    #[arg(long)]
+    pub no_credits: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -274,6 +279,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 },
                 cpus: bench::cpus::parse(&a.cpus)?,
                 transport: hop::parse_transport(&a.common.transport)?,
+                credits: !a.common.no_credits,
             };
             let results = hop::run(&opts)?;
             emit(&results, hop::verdicts(&results), a.common.json.as_deref())
@@ -304,6 +310,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 tcp: TcpConfig::default(),
                 pool_bytes: one_size(&a.pool, "pool")?,
                 transport: hop::parse_transport(&a.common.transport)?,
+                credits: !a.common.no_credits,
             };
             let results = pipeline::run(&opts)?;
             emit(
