@@ -323,7 +323,14 @@ fn bandwidth_series(results: &[Results], hops: bool) -> Vec<Series> {
     {
         for row in &r.rows {
             let (group, ours) = match &row.hop {
-                Some(h) => (h.clone(), format!("omnirig {h} ({})", row.op)),
+                // One line per hop and transport: inline rows are that transport's small sizes.
+                Some(h) => {
+                    let t = row
+                        .op
+                        .trim_start_matches("hop-")
+                        .trim_end_matches("-inline");
+                    (h.clone(), format!("omnirig {h} ({t})"))
+                }
                 None => (
                     format!("{} {}", r.transport, row.op),
                     format!("omnirig {} {}", r.transport, row.op),
@@ -357,11 +364,18 @@ fn bandwidth_series(results: &[Results], hops: bool) -> Vec<Series> {
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             pts.dedup_by(|a, b| a.0 == b.0);
             let gi = groups.iter().position(|g| *g == group).unwrap_or(0);
+            // Same hue per hop; shm a darker shade than tcp, so both read apart.
+            let c = color(gi);
+            let c = if name.ends_with("(shm)") {
+                RGBColor(c.0 / 2, c.1 / 2, c.2 / 2)
+            } else {
+                c
+            };
             Series {
                 name,
                 x: pts.iter().map(|p| p.0).collect(),
                 y: pts.iter().map(|p| p.1).collect(),
-                color: color(gi),
+                color: c,
                 dash,
             }
         })
@@ -527,33 +541,43 @@ where
 type PipePoints = Vec<(String, Vec<(f64, f64, f64, f64)>)>;
 
 fn pipeline_points(pipes: &[&Results]) -> PipePoints {
-    let mut sides: PipePoints = vec![("omnirig".into(), vec![])];
+    // omnirig sides first (one per transport), then the baselines (once: every run measures
+    // the same current path; the first run's figures are drawn).
+    let mut ours: PipePoints = Vec::new();
+    let mut bases: PipePoints = Vec::new();
+    let side = |sides: &mut PipePoints, name: String| -> usize {
+        match sides.iter().position(|s| s.0 == name) {
+            Some(i) => i,
+            None => {
+                sides.push((name, vec![]));
+                sides.len() - 1
+            }
+        }
+    };
     for r in pipes {
         for row in &r.rows {
             let Some(c) = row.concurrency else { continue };
             let c = c as f64;
             let (ro, rb) = row.throughput_rps.unwrap_or((f64::NAN, f64::NAN));
-            if !sides[0].1.iter().any(|p| p.0 == c) {
-                sides[0]
+            let i = side(&mut ours, format!("omnirig over {}", r.transport));
+            if !ours[i].1.iter().any(|p| p.0 == c) {
+                ours[i]
                     .1
                     .push((c, row.omnirig.p50_us / 1e3, row.omnirig.p99_us / 1e3, ro));
             }
-            let name = row.baseline.name.clone();
-            let i = match sides.iter().position(|s| s.0 == name) {
-                Some(i) => i,
-                None => {
-                    sides.push((name, vec![]));
-                    sides.len() - 1
-                }
-            };
-            sides[i].1.push((
-                c,
-                row.baseline.p50_us / 1e3,
-                row.baseline.p99_us.unwrap_or(f64::NAN) / 1e3,
-                rb,
-            ));
+            let i = side(&mut bases, row.baseline.name.clone());
+            if !bases[i].1.iter().any(|p| p.0 == c) {
+                bases[i].1.push((
+                    c,
+                    row.baseline.p50_us / 1e3,
+                    row.baseline.p99_us.unwrap_or(f64::NAN) / 1e3,
+                    rb,
+                ));
+            }
         }
     }
+    let mut sides = ours;
+    sides.extend(bases);
     for s in &mut sides {
         s.1.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
@@ -576,7 +600,7 @@ where
     );
     let mut chart = ChartBuilder::on(area)
         .caption(
-            "Five-stage request latency vs concurrency (tcp, 127.0.0.1)",
+            "Five-stage request latency vs concurrency (processes on 127.0.0.1)",
             ("sans-serif", 28),
         )
         .margin(20)
@@ -631,7 +655,7 @@ where
     let (_, y1) = bounds(sides.iter().flat_map(|s| s.1.iter().map(|p| p.3)));
     let mut chart = ChartBuilder::on(area)
         .caption(
-            "Five-stage throughput vs concurrency (tcp, 127.0.0.1)",
+            "Five-stage throughput vs concurrency (processes on 127.0.0.1)",
             ("sans-serif", 28),
         )
         .margin(20)
@@ -651,15 +675,15 @@ where
     let mut legend = Vec::new();
     for (i, (name, pts)) in sides.iter().enumerate() {
         let s = Series {
-            name: if i == 0 {
-                "omnirig (tensor-native)".into()
+            name: if name.starts_with("omnirig") {
+                format!("{name} (tensor-native)")
             } else {
                 format!("{name} over ZMQ (current path)")
             },
             x: vec![],
             y: vec![],
             color: color(i),
-            dash: if i == 0 { 0 } else { 1 },
+            dash: if name.starts_with("omnirig") { 0 } else { 1 },
         };
         draw_line(&mut chart, &s, pts.iter().map(|p| (p.0, p.3)).collect())?;
         legend.push(s);
