@@ -21,6 +21,10 @@ objects (pickle.loads) -> ack. Modes:
   pickle5-oob  pickle protocol 5 with out-of-band buffers: the pickle carries only the
                metadata; each array travels as its own ZMQ frame, zero-copy on both sides
                (send(copy=False), recv(copy=False), arrays rebuilt as views on the frames).
+  pickle-shm   the same-host wire: the pickle is written into a shared-memory segment
+               (multiprocessing.shared_memory, created once) and only its length travels
+               over ZMQ; the receiver unpickles straight from the segment. The fair
+               comparison for omnirig's shm transport.
 
 bf16 has no numpy dtype: it travels as uint16 of the same shape (the same bytes), as vLLM
 does with views. The payload bytes come from a file omnirig wrote (its own fixtures), and the
@@ -97,7 +101,32 @@ def check(obj, spec):
     return ""
 
 
+# The pickle-shm segment: created by the driver, attached by the receiver by name.
+SHM_SEGMENT = None
+
+
+def shm_segment(name=None, size=0):
+    global SHM_SEGMENT
+    if SHM_SEGMENT is None:
+        from multiprocessing import shared_memory, resource_tracker
+
+        if name is None:
+            SHM_SEGMENT = shared_memory.SharedMemory(create=True, size=size)
+        else:
+            SHM_SEGMENT = shared_memory.SharedMemory(name=name)
+            # The driver owns it; keep this process's tracker from unlinking it at exit.
+            resource_tracker.unregister(SHM_SEGMENT._name, "shared_memory")
+    return SHM_SEGMENT
+
+
 def encode(obj, mode):
+    if mode == "pickle-shm":
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        seg = SHM_SEGMENT
+        if len(data) > seg.size:
+            raise ValueError("pickle of %d bytes exceeds the %d-byte segment" % (len(data), seg.size))
+        seg.buf[: len(data)] = data
+        return [("%s %d" % (seg.name, len(data))).encode()], True
     if mode == "pickle":
         return [pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)], True
     if mode == "pickle5-oob":
@@ -108,6 +137,10 @@ def encode(obj, mode):
 
 
 def decode(frames, mode):
+    if mode == "pickle-shm":
+        name, n = frames[0].decode().split(" ")
+        seg = shm_segment(name=name)
+        return pickle.loads(seg.buf[: int(n)])
     if mode == "pickle":
         return pickle.loads(frames[0])
     return pickle.loads(frames[0].buffer, buffers=[f.buffer for f in frames[1:]])
@@ -139,7 +172,7 @@ def receiver(addr):
         # b"M": mode, case, verify, then the message frames.
         _, mode, case, verify = frames[0].bytes.decode().split(" ")
         payload = frames[1:]
-        obj = decode([f if mode != "pickle" else f.bytes for f in payload], mode)
+        obj = decode([f.bytes if mode in ("pickle", "pickle-shm") else f for f in payload], mode)
         if verify == "1":
             err = check(obj, cases[int(case)]["spec"])
             sock.send(b"bad " + err.encode() if err else b"ok")
@@ -207,6 +240,9 @@ def driver():
             c = cmd["cmd"]
             if c == "load":
                 cases = load_cases(cmd["manifest"])
+                # Room for the largest case's pickle (the arrays plus a little framing).
+                biggest = max((sum(t["len"] for t in c["spec"]) for c in cases), default=0)
+                shm_segment(size=biggest + (1 << 20))
                 sock.send(b"L" + cmd["manifest"].encode())
                 sock.recv()
                 reply({"ok": True, "cases": len(cases), "xxhash": xxhash is not None})
@@ -240,6 +276,9 @@ def driver():
             elif c == "quit":
                 break
     finally:
+        if SHM_SEGMENT is not None:
+            SHM_SEGMENT.close()
+            SHM_SEGMENT.unlink()
         try:
             sock.send(b"Q")
             sock.recv()

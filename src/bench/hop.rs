@@ -1211,6 +1211,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
         let mut ours = Samples::new(p.total);
         let mut pk = Samples::new(p.total);
         let mut p5 = Samples::new(p.total);
+        let mut psh = Samples::new(p.total);
         let mut lbs = Samples::new(p.total);
         // Warm-ups, the first of which the consumer checks byte for byte.
         timed(&prod, &rid, p, warm, &mut Samples::new(0)).await?;
@@ -1227,6 +1228,9 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             timed(&prod, &rid, p, per, &mut ours).await?;
             let (s, v) = py.hop(ci, "pickle5-oob", per, w, p.total)?;
             p5.lat.extend(s.lat);
+            verified &= v;
+            let (s, v) = py.hop(ci, "pickle-shm", per, w, p.total)?;
+            psh.lat.extend(s.lat);
             verified &= v;
             if let Some((lprod, lp, _)) = &lb {
                 timed(lprod, &rid, &lp[ci], per, &mut lbs).await?;
@@ -1262,7 +1266,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
         } else {
             format!("hop-{}", o.transport)
         };
-        for (name, b) in [("pickle", &pk), ("pickle5-oob", &p5)] {
+        for (name, b) in [("pickle", &pk), ("pickle5-oob", &p5), ("pickle-shm", &psh)] {
             let mut row = Row::new(&op, p.total, &ours, name, b);
             row.case = Some(p.case.clone());
             row.hop = Some(hop_label(kind).into());
@@ -1276,7 +1280,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             } else {
                 "hop-loopback"
             };
-            for (name, b) in [("pickle", &pk), ("pickle5-oob", &p5)] {
+            for (name, b) in [("pickle", &pk), ("pickle5-oob", &p5), ("pickle-shm", &psh)] {
                 let mut row = Row::new(lop, p.total, &lbs, name, b);
                 row.case = Some(p.case.clone());
                 row.hop = Some(hop_label(kind).into());
@@ -1356,6 +1360,17 @@ pub fn verdicts(r: &Results) -> Vec<String> {
                 out.push(line);
             }
         }
+    }
+    // Context, no target: the same-host pickle wire (what omnirig's shm is up against).
+    if let Some(min) = tcp("pickle-shm").min_by(|a, b| p50x(a).total_cmp(&p50x(b))) {
+        out.push(format!(
+            "{hop} vs pickle-shm (the same-host pickle wire; no target): lowest {:.2}x p50 ({} {}, {:.1} us vs {:.1} us)",
+            p50x(min),
+            min.case.as_deref().unwrap_or("?"),
+            super::human_size_approx(min.size),
+            min.omnirig.p50_us,
+            min.baseline.p50_us
+        ));
     }
     if targets.is_empty() {
         for base in ["pickle", "pickle5-oob"] {
