@@ -364,9 +364,10 @@ fn bandwidth_series(results: &[Results], hops: bool) -> Vec<Series> {
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             pts.dedup_by(|a, b| a.0 == b.0);
             let gi = groups.iter().position(|g| *g == group).unwrap_or(0);
-            // Same hue per hop; shm a darker shade than tcp, so both read apart.
+            // Same hue per hop; shm (ours, and the pickle-shm wire) a darker shade, so the
+            // same-host lines read apart from the tcp ones.
             let c = color(gi);
-            let c = if name.ends_with("(shm)") {
+            let c = if name.ends_with("(shm)") || name.starts_with("pickle-shm") {
                 RGBColor(c.0 / 2, c.1 / 2, c.2 / 2)
             } else {
                 c
