@@ -22,6 +22,23 @@ pub mod tcp;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Counts one open connection in the engine's liveness while it exists (leak checks).
+pub(crate) struct Counted(Arc<crate::batch::Liveness>);
+
+impl Counted {
+    pub(crate) fn new(live: &Arc<crate::batch::Liveness>) -> Self {
+        live.connections
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Self(live.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec(&self.0.connections);
+    }
+}
+
 /// Direction of a one-sided operation, seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum OpKind {

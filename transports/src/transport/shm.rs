@@ -31,7 +31,7 @@ use crate::grant::GrantRef;
 use crate::memory::PeerMemory;
 use crate::segment::SegmentDescriptor;
 use crate::transport::tcp::frame::{decode_error_body, error_body};
-use crate::transport::{BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+use crate::transport::{BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
 
 const MAGIC: &[u8; 4] = b"OMSH";
 const VERSION: u8 = 1;
@@ -278,22 +278,6 @@ async fn read_exact(s: &UnixStream, buf: &mut [u8], spin: Duration, hold: bool) 
         }
     }
     Ok(())
-}
-
-/// Counts one open connection in the engine's liveness while it exists.
-struct Counted(Arc<Liveness>);
-
-impl Counted {
-    fn new(live: &Arc<Liveness>) -> Self {
-        live.connections.fetch_add(1, Ordering::AcqRel);
-        Self(live.clone())
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.0.dec(&self.0.connections);
-    }
 }
 
 // ---------------------------------------------------------------- server

@@ -27,7 +27,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::grant::{GrantEntry, GrantRef};
 use crate::memory::Region;
 use crate::segment::SegmentDescriptor;
-use crate::transport::{BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+use crate::transport::{BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
 use frame::{FrameKind, HEADER_LEN, Header};
 
 /// TCP tuning.
@@ -61,22 +61,6 @@ impl Default for TcpConfig {
 const MAX_SMALL_BODY: u32 = 64 << 10;
 /// Largest descriptor reply a client reads.
 const MAX_DESCRIPTOR_BODY: u32 = frame::MAX_BODY;
-
-/// Counts one open connection in the engine's liveness while it exists.
-struct Counted(Arc<Liveness>);
-
-impl Counted {
-    fn new(live: &Arc<Liveness>) -> Self {
-        live.connections.fetch_add(1, Ordering::AcqRel);
-        Self(live.clone())
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.0.dec(&self.0.connections);
-    }
-}
 
 struct Conn {
     stream: TcpStream,
