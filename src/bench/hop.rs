@@ -1503,6 +1503,21 @@ mod tests {
             prod.link.send(Msg::Shutdown).unwrap();
             task.await.unwrap().unwrap();
             assert_eq!(pool.usage(), (0, 0));
+            // Every grant, the credit left unused at retirement included, is revoked (an
+            // aborted consumer task drops its credit when the runtime reaps it).
+            let mut u = b.usage();
+            for _ in 0..100 {
+                if u.grants == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                u = b.usage();
+            }
+            assert_eq!(
+                (u.grants, u.granted_bytes),
+                (0, 0),
+                "{kind:?} credits {credits}: {u:?}"
+            );
         }
     }
 }
