@@ -544,3 +544,29 @@ async fn peers_find_each_other_by_handshake_without_a_store() {
     let err = a.connect_addr(closed).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unreachable, "{err}");
 }
+
+/// shm owners keep a bounded number of initiator regions mapped per connection (256); a
+/// region unmapped to make room is shared again on its next use, and every byte still lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_shares_again_what_the_owner_unmapped() {
+    let e = engines("shm", 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let dst = b.allocate(4096).unwrap();
+    let srcs: Vec<_> = (0..300).map(|_| a.allocate(4096).unwrap()).collect();
+    for round in 0..2u64 {
+        for (i, src) in srcs.iter().enumerate() {
+            let want = pattern(round * 1000 + i as u64, 4096);
+            src.write(0, &want).unwrap();
+            let g = b.grant(&dst, 0, 4096, Access::Write).unwrap();
+            a.transfer(vec![Request::write(src, 0, &g, 0, 4096)], T)
+                .await
+                .unwrap_or_else(|err| panic!("round {round}, region {i}: {err}"));
+            b.revoke(&g);
+            let mut got = vec![0u8; 4096];
+            dst.read(0, &mut got).unwrap();
+            assert!(got == want, "round {round}, region {i}: bytes differ");
+        }
+    }
+    assert_idle(a).await;
+    assert_idle(b).await;
+}

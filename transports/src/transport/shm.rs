@@ -43,6 +43,9 @@ const MAX_DETAIL: usize = 4096;
 const MAX_SHARES: usize = 256;
 /// Largest region a peer may announce (a sanity bound, far above any pool).
 const MAX_SHARE_LEN: u64 = 1 << 40;
+/// How an owner says it holds no mapping of the initiator's region (any more).
+const UNMAPPED: &str = "shm region not mapped:";
+
 /// Longest an initiator polls through the owner's copy of one slice before it parks.
 const MAX_COPY_SPIN: Duration = Duration::from_millis(2);
 
@@ -411,21 +414,20 @@ fn handle(core: &EngineCore, shares: &mut Shares, pid: i32, req: &Request) -> Re
             Ok(())
         }
         Kind::Write | Kind::Read => {
+            // Never shared, or unmapped to make room: the initiator shares it again.
             let mem = shares.maps.get(&req.share_id).ok_or_else(|| {
                 Error::new(
-                    ErrorKind::Malformed,
-                    format!(
-                        "shm region {} was never shared on this connection",
-                        req.share_id
-                    ),
+                    ErrorKind::UnknownBuffer,
+                    format!("{UNMAPPED} {} on this connection", req.share_id),
                 )
             })?;
-            let (op, access) = if req.kind == Kind::Write {
-                (OpKind::Write, OpKind::Write.access())
+            let op = if req.kind == Kind::Write {
+                OpKind::Write
             } else {
-                (OpKind::Read, OpKind::Read.access())
+                OpKind::Read
             };
-            let (region, admitted) = core.admit(access, req.grant, req.grant_offset, req.len)?;
+            let (region, admitted) =
+                core.admit(op.access(), req.grant, req.grant_offset, req.len)?;
             // The fence: the copy runs under a pin, so a revoke waits for it, and once the
             // grant is revoked no copy starts.
             let _pin = admitted.entry.pin()?;
@@ -553,18 +555,8 @@ impl LinkShared {
         // If this future is dropped mid-request, `conn` drops with it, out of sync or not.
         if !conn.shared.contains(&share_id) {
             let share = Request {
-                kind: Kind::Share,
                 req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
-                share_id,
-                share_offset: 0,
-                grant: GrantRef {
-                    buffer: 0,
-                    epoch: 0,
-                    token: 0,
-                },
-                grant_offset: 0,
-                len: file_len as u64,
-                fd,
+                ..share_request(share_id, fd, file_len)
             };
             // The fd number stays ours while `op.local` (this region) is alive, which it is.
             round_trip(&conn.stream, &share, self.cfg.busy_poll, alone).await??;
@@ -587,9 +579,41 @@ impl LinkShared {
         // The owner copies the slice before it replies: poll through the copy too (at a
         // conservative 4 GB/s), or a parked initiator pays a wake-up per slice.
         let spin = self.cfg.busy_poll + Duration::from_nanos(op.len / 4).min(MAX_COPY_SPIN);
-        let reply = round_trip(&conn.stream, &req, spin, alone).await?;
+        let mut reply = round_trip(&conn.stream, &req, spin, alone).await?;
+        if matches!(&reply, Err(e) if e.kind() == ErrorKind::UnknownBuffer && e.detail().contains(UNMAPPED))
+        {
+            // The owner unmapped the region to make room for others: share it again, once.
+            let share = Request {
+                req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
+                ..share_request(share_id, fd, file_len)
+            };
+            round_trip(&conn.stream, &share, self.cfg.busy_poll, alone).await??;
+            let req = Request {
+                req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
+                ..req
+            };
+            reply = round_trip(&conn.stream, &req, spin, alone).await?;
+        }
         self.idle().push(conn);
         reply
+    }
+}
+
+/// The request announcing a region: its memfd's number in this process and its size.
+fn share_request(share_id: u64, fd: i32, file_len: usize) -> Request {
+    Request {
+        kind: Kind::Share,
+        req_id: 0,
+        share_id,
+        share_offset: 0,
+        grant: GrantRef {
+            buffer: 0,
+            epoch: 0,
+            token: 0,
+        },
+        grant_offset: 0,
+        len: file_len as u64,
+        fd,
     }
 }
 
