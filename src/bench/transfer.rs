@@ -94,21 +94,47 @@ async fn loopback(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     rsrc.fill(0, max, |x| x.fill(0x5a))?;
     let rg = b.grant(&rsrc, 0, max, Access::Read)?;
     let landing = a.allocate(max)?;
-    // The baseline: memcpy between two page-aligned buffers, reused, as the engine's are.
+    let rows = rows_against_memcpy("loopback", o, max, &a, (&src, &wg), (&landing, &rg)).await?;
+    check_landed(&b, &dst, &wg, 0x5a, max)?;
+    Ok(rows)
+}
+
+/// The peer process fills its read buffer with (i * 7 + 3); the last read must have brought
+/// that, so the benchmark moved real bytes.
+fn check_peer_pattern(landing: &Buffer, o: &Options, transport: &str) -> anyhow::Result<()> {
+    let last = *o.sizes.last().expect("sizes");
+    let ok = landing.view(0, last, |b| {
+        b.iter().enumerate().all(|(i, &x)| x == (i * 7 + 3) as u8)
+    })?;
+    if !ok {
+        bail!("bytes read over {transport} differ from the peer's buffer");
+    }
+    Ok(())
+}
+
+/// A write and a read row per size, each against memcpy between two page-aligned buffers,
+/// reused as the engine's are (the floor of a one-copy data path).
+async fn rows_against_memcpy(
+    transport: &str,
+    o: &Options,
+    max: u64,
+    a: &Engine,
+    (src, wg): (&Buffer, &Grant),
+    (landing, rg): (&Buffer, &Grant),
+) -> anyhow::Result<Vec<Row>> {
     let msrc = Region::allocate(max as usize, false)?;
     msrc.with_mut_slice(0, max, |b| b.fill(0x5a))?;
     let mdst = Region::allocate(max as usize, false)?;
     let mut rows = Vec::new();
     for &size in &o.sizes {
         let iters = iterations(size, o.budget, o.min_iters, o.max_iters);
-        progress(&format!("loopback {} x {iters}", human_size(size)));
-        let write = Request::write(&src, 0, &wg, 0, size);
-        let read = Request::read(&landing, 0, &rg, 0, size);
-        let (base, w, r) = against_memcpy(&a, &write, &read, (&msrc, &mdst), iters).await?;
+        progress(&format!("{transport} {} x {iters}", human_size(size)));
+        let write = Request::write(src, 0, wg, 0, size);
+        let read = Request::read(landing, 0, rg, 0, size);
+        let (base, w, r) = against_memcpy(a, &write, &read, (&msrc, &mdst), iters).await?;
         rows.push(Row::new("write", size, &w, "memcpy", &base));
         rows.push(Row::new("read", size, &r, "memcpy", &base));
     }
-    check_landed(&b, &dst, &wg, 0x5a, max)?;
     Ok(rows)
 }
 
@@ -274,14 +300,7 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         let r = time_engine(&a, Request::read(&landing, 0, &rg, 0, size), iters).await?;
         rows.push(Row::new("read", size, &r, name, &br));
     }
-    // The peer fills its read buffer with (i * 7 + 3); the last read must have brought that.
-    let last = *o.sizes.last().expect("sizes");
-    let ok = landing.view(0, last, |b| {
-        b.iter().enumerate().all(|(i, &x)| x == (i * 7 + 3) as u8)
-    })?;
-    if !ok {
-        bail!("bytes read over tcp differ from the peer's buffer");
-    }
+    check_peer_pattern(&landing, o, "tcp")?;
     Ok(rows)
 }
 
@@ -316,26 +335,8 @@ async fn shm(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     let src = a.allocate(max)?;
     src.fill(0, max, |x| x.fill(0x5a))?;
     let landing = a.allocate(max)?;
-    let msrc = Region::allocate(max as usize, false)?;
-    msrc.with_mut_slice(0, max, |b| b.fill(0x5a))?;
-    let mdst = Region::allocate(max as usize, false)?;
-    let mut rows = Vec::new();
-    for &size in &o.sizes {
-        let iters = iterations(size, o.budget, o.min_iters, o.max_iters);
-        progress(&format!("shm {} x {iters}", human_size(size)));
-        let write = Request::write(&src, 0, &wg, 0, size);
-        let read = Request::read(&landing, 0, &rg, 0, size);
-        let (base, w, r) = against_memcpy(&a, &write, &read, (&msrc, &mdst), iters).await?;
-        rows.push(Row::new("write", size, &w, "memcpy", &base));
-        rows.push(Row::new("read", size, &r, "memcpy", &base));
-    }
-    let last = *o.sizes.last().expect("sizes");
-    let ok = landing.view(0, last, |b| {
-        b.iter().enumerate().all(|(i, &x)| x == (i * 7 + 3) as u8)
-    })?;
-    if !ok {
-        bail!("bytes read over shm differ from the peer's buffer");
-    }
+    let rows = rows_against_memcpy("shm", o, max, &a, (&src, &wg), (&landing, &rg)).await?;
+    check_peer_pattern(&landing, o, "shm")?;
     Ok(rows)
 }
 
