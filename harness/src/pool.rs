@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use omnirig_fixtures::POISON_BYTE;
 use omnirig_transports::{Buffer, Engine};
 use tokio::sync::Notify;
 
@@ -92,6 +93,17 @@ impl RangeAllocator {
     }
 }
 
+/// Overwrites `offset..offset+len` of `buffer` with [`POISON_BYTE`], so whatever a
+/// transfer does not write there cannot pass as expected bytes (stale bytes of an earlier
+/// request included). Large ranges run off the async workers.
+pub fn poison(buffer: &Buffer, offset: u64, len: u64) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    crate::stage::cpu(|| buffer.fill(offset, len, |m| m.fill(POISON_BYTE)))?;
+    Ok(())
+}
+
 /// A registered buffer of one engine with an allocator over it.
 #[derive(Debug)]
 pub struct Pool {
@@ -99,16 +111,34 @@ pub struct Pool {
     pub buffer: Buffer,
     alloc: Mutex<RangeAllocator>,
     freed: Notify,
+    /// Whether [`reserve`](Self::reserve) poisons each range before handing it out.
+    poisoned: bool,
 }
 
 impl Pool {
+    /// A pool whose ranges come back as they were left (benchmarks).
     pub fn new(engine: &Engine, name: impl Into<String>, capacity: u64) -> Result<Arc<Pool>> {
+        Self::build(engine, name.into(), capacity, false)
+    }
+
+    /// A pool that [`poison`]s every range before handing it out: what the pipeline's
+    /// stages use, so a request never sees bytes an earlier one left behind.
+    pub fn new_poisoned(
+        engine: &Engine,
+        name: impl Into<String>,
+        capacity: u64,
+    ) -> Result<Arc<Pool>> {
+        Self::build(engine, name.into(), capacity, true)
+    }
+
+    fn build(engine: &Engine, name: String, capacity: u64, poisoned: bool) -> Result<Arc<Pool>> {
         let capacity = align_up(capacity);
         Ok(Arc::new(Pool {
-            name: name.into(),
+            name,
             buffer: engine.allocate(capacity)?,
             alloc: Mutex::new(RangeAllocator::new(capacity)),
             freed: Notify::new(),
+            poisoned,
         }))
     }
 
@@ -132,12 +162,18 @@ impl Pool {
             let notified = self.freed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some((offset, len)) = self.lock().alloc(len) {
-                return Ok(Lease {
+            let got = self.lock().alloc(len);
+            if let Some((offset, len)) = got {
+                let lease = Lease {
                     pool: self.clone(),
                     offset,
                     len,
-                });
+                };
+                if self.poisoned {
+                    // Nobody holds a grant on a free range, so the owner's write goes through.
+                    poison(&self.buffer, offset, len)?;
+                }
+                return Ok(lease);
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return Err(HarnessError::Pool {

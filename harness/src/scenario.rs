@@ -93,6 +93,12 @@ pub struct Scenario {
     pub include_deepstack: bool,
     #[serde(default = "yes")]
     pub prefix_cache: bool,
+    /// Identical requests in one run get distinct outputs downstream of the caches (each
+    /// repeat of a spec gets the next `salt`), so one request's bytes can never pass for
+    /// another's; encoder-cache and KV prefix hits are unchanged. `false`: every repeat
+    /// produces the canonical bytes.
+    #[serde(default = "yes")]
+    pub distinct_outputs: bool,
     /// One hop, from the producer's offer to FINISH / packet.
     #[serde(default = "sixty")]
     pub hop_timeout_s: f64,
@@ -264,6 +270,7 @@ impl Scenario {
             block_tokens: 16,
             include_deepstack: true,
             prefix_cache: true,
+            distinct_outputs: true,
             hop_timeout_s: 60.0,
             request_timeout_s: 600.0,
             requests: vec![RequestEntry {
@@ -374,6 +381,8 @@ impl Scenario {
     pub fn expand(&self) -> Result<Vec<PlannedRequest>> {
         let card = ModelCard::qwen3_omni();
         let mut out = Vec::new();
+        // Requests seen so far with the same spec: the salt of the next one.
+        let mut seen: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
         for (i, r) in self.requests.iter().enumerate() {
             let (label, spec) = match (&r.case, &r.request) {
                 (Some(c), _) => (c.clone(), golden_case(c)?.request),
@@ -385,7 +394,7 @@ impl Scenario {
             };
             let plan = plan_request(&card, &spec, &self.shape_options())?;
             for k in 0..r.repeat {
-                let (spec, plan) = if r.vary_seed && k > 0 {
+                let (mut spec, mut plan) = if r.vary_seed && k > 0 {
                     let mut spec = spec.clone();
                     spec.seed = spec.seed.wrapping_add(u64::from(k));
                     let plan = plan_request(&card, &spec, &self.shape_options())?;
@@ -393,6 +402,14 @@ impl Scenario {
                 } else {
                     (spec.clone(), plan.clone())
                 };
+                if self.distinct_outputs {
+                    let n = seen.entry(format!("{spec:?}")).or_insert(0);
+                    if *n > 0 {
+                        spec.salt = spec.salt.wrapping_add(*n);
+                        plan.salt = spec.salt;
+                    }
+                    *n += 1;
+                }
                 out.push(PlannedRequest {
                     id: format!("{:03}-{label}", out.len()),
                     label: label.clone(),
@@ -502,6 +519,14 @@ mod tests {
         let r = s.expand().unwrap();
         assert_eq!(r.len(), 5);
         assert_eq!(r[4].id, "004-image_audio");
+        // The repeat has the same content (caches hit) and its own outputs downstream.
+        assert_eq!((r[1].spec.salt, r[4].spec.salt), (0, 1));
+        assert_eq!(r[1].spec.seed, r[4].spec.seed);
+        let s = Scenario {
+            distinct_outputs: false,
+            ..s
+        };
+        let r = s.expand().unwrap();
         assert_eq!(r[1].spec, r[4].spec);
     }
 

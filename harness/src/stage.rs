@@ -175,7 +175,7 @@ impl StageUsage {
 /// Runs CPU-heavy work (generating, digesting hundreds of MiB) without
 /// stalling the runtime: other requests' transfers and control messages keep
 /// moving on the remaining workers.
-fn cpu<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
     use tokio::runtime::{Handle, RuntimeFlavor};
     match Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
@@ -210,6 +210,22 @@ impl PagedKv {
         self.blocks.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Overwrites `blocks` of every layer's K and V with the poison byte.
+    fn poison(&self, blocks: &[u32]) -> Result<()> {
+        for (_, id, len) in contiguous_runs(blocks) {
+            for layer in 0..self.geo.num_layers {
+                for v in [false, true] {
+                    crate::pool::poison(
+                        &self.buffer,
+                        self.geo.offset(layer, v, id),
+                        u64::from(len) * self.geo.block_bytes,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     async fn alloc(&self, n: usize, timeout: Duration) -> Result<Vec<u32>> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -219,7 +235,15 @@ impl PagedKv {
             if n > self.geo.capacity as usize {
                 break;
             }
-            if let Some(b) = self.lock().alloc(n) {
+            let got = self.lock().alloc(n);
+            if let Some(b) = got {
+                // Blocks come back poisoned, every layer's K and V: a block a transfer does
+                // not fill cannot pass for the request's (evicted prefix blocks included).
+                if let Err(e) = self.poison(&b) {
+                    self.lock().release(&b);
+                    self.freed.notify_waiters();
+                    return Err(e);
+                }
                 return Ok(b);
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -389,10 +413,10 @@ impl StageWorker {
                         1,
                     )?),
                     PayloadKind::ThinkerToTalker => {
-                        InMem::Pool(Pool::new(e, "talker.in", s.t2t_bytes)?)
+                        InMem::Pool(Pool::new_poisoned(e, "talker.in", s.t2t_bytes)?)
                     }
                     PayloadKind::TalkerToCode2wav => {
-                        InMem::Pool(Pool::new(e, "code2wav.in", s.codes_bytes)?)
+                        InMem::Pool(Pool::new_poisoned(e, "code2wav.in", s.codes_bytes)?)
                     }
                 };
                 Some(Side { end, mem })
@@ -409,7 +433,7 @@ impl StageWorker {
                 let e = &end.engine;
                 let mem = match kind {
                     PayloadKind::EncoderEmbeddings => {
-                        OutMem::Staging(Pool::new(e, "encoder.out", s.ec_bytes)?)
+                        OutMem::Staging(Pool::new_poisoned(e, "encoder.out", s.ec_bytes)?)
                     }
                     PayloadKind::KvCache => OutMem::Kv(PagedKv::new(
                         e,
@@ -417,10 +441,10 @@ impl StageWorker {
                         0,
                     )?),
                     PayloadKind::ThinkerToTalker => {
-                        OutMem::Staging(Pool::new(e, "thinker_decode.out", s.t2t_bytes)?)
+                        OutMem::Staging(Pool::new_poisoned(e, "thinker_decode.out", s.t2t_bytes)?)
                     }
                     PayloadKind::TalkerToCode2wav => {
-                        OutMem::Staging(Pool::new(e, "talker.out", s.codes_bytes)?)
+                        OutMem::Staging(Pool::new_poisoned(e, "talker.out", s.codes_bytes)?)
                     }
                 };
                 Some(Side { end, mem })
@@ -943,9 +967,11 @@ impl StageWorker {
                         });
                         break;
                     }
-                    EcAcquire::Reserve { offset, .. } => {
+                    EcAcquire::Reserve { offset, len } => {
                         held.reserved
                             .push((item.mm_hash.clone(), offset, spec.name.clone()));
+                        // Evicted entries leave their bytes behind: poison before granting.
+                        crate::pool::poison(&store.buffer, offset, len)?;
                         let g =
                             engine.grant(&store.buffer, offset, spec.byte_length, Access::Write)?;
                         held.grants.push(g.clone());

@@ -238,6 +238,7 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
                 }],
                 output_text_tokens: 16,
                 output_audio_seconds: 1.0,
+                salt: 7,
             },
         },
         Msg::StageDone {

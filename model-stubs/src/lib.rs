@@ -3,8 +3,8 @@
 //! A stub stands in for a stage's model: it checks that every inbound tensor
 //! is bit-exact against what its upstream stub must have produced for the
 //! request, and produces its own outputs from the fixtures generator. Every
-//! stub's output for a tensor is `TensorGenerator::new(plan.seed, spec)`, so a
-//! downstream check needs only the request plan, never the upstream process.
+//! stub's output for a tensor is `TensorGenerator::new(plan.content_seed(hop), spec)`,
+//! so a downstream check needs only the request plan, never the upstream process.
 //!
 //! | stub            | consumes              | produces              | compute unit      |
 //! |-----------------|-----------------------|-----------------------|-------------------|
@@ -134,7 +134,12 @@ impl Stub {
 
     /// The generator this stage's model produces `spec` with (its outputs).
     pub fn generator(&self, plan: &RequestPlan, spec: &TensorSpec) -> TensorGenerator {
-        TensorGenerator::new(plan.seed, spec)
+        TensorGenerator::new(self.seed(plan, self.outbound(plan)), spec)
+    }
+
+    /// The seed of `hop`'s tensors (see `RequestPlan::content_seed`).
+    fn seed(&self, plan: &RequestPlan, hop: Option<&Hop>) -> u64 {
+        hop.map_or(plan.seed, |h| plan.content_seed(h.payload_kind))
     }
 
     /// Produces bytes `byte_offset..byte_offset+out.len()` of output tensor
@@ -158,7 +163,8 @@ impl Stub {
     pub fn expected_digest(&self, plan: &RequestPlan, tensor: &str) -> Result<Digest128> {
         let spec = self.input_spec(plan, tensor)?;
         // The upstream stub generates from the same (seed, spec).
-        Ok(digest_generated(&TensorGenerator::new(plan.seed, spec)))
+        let seed = self.seed(plan, self.inbound(plan));
+        Ok(digest_generated(&TensorGenerator::new(seed, spec)))
     }
 
     /// Checks an inbound tensor that arrived whole: length, digest, and a byte
@@ -184,7 +190,7 @@ impl Stub {
             });
         }
         if spec.byte_length <= BYTE_COMPARE_MAX {
-            let fresh = TensorGenerator::new(plan.seed, spec).generate();
+            let fresh = TensorGenerator::new(self.seed(plan, self.inbound(plan)), spec).generate();
             if let Some(offset) = fresh.iter().zip(bytes).position(|(a, b)| a != b) {
                 return Err(StubError::Bytes {
                     stage: self.stage,
@@ -281,6 +287,35 @@ mod tests {
                     Err(StubError::Digest { .. })
                 ));
             }
+        }
+    }
+
+    /// Identical requests with different salts: the cached hops (encoder embeddings, KV)
+    /// stay equal so caches hit; the hops downstream of them differ, so bytes of one request
+    /// can never pass for another's.
+    #[test]
+    fn salt_varies_only_the_outputs_downstream_of_the_caches() {
+        let a = plan("image_audio");
+        let mut spec = golden_case("image_audio").unwrap().request;
+        spec.salt = 1;
+        let b = plan_request(&ModelCard::qwen3_omni(), &spec, &ShapeOptions::default()).unwrap();
+        for hop in &a.hops {
+            let up = Stub::new(hop.source, ComputeTime::default());
+            let down = Stub::new(hop.target, ComputeTime::default());
+            let t = hop.tensors.iter().min_by_key(|t| t.byte_length).unwrap();
+            let mut bytes = vec![0u8; t.byte_length as usize];
+            up.produce(&b, t, 0, &mut bytes).unwrap();
+            down.check_input(&b, &t.name, &bytes).unwrap();
+            let cached = matches!(
+                hop.payload_kind,
+                PayloadKind::EncoderEmbeddings | PayloadKind::KvCache
+            );
+            assert_eq!(
+                down.check_input(&a, &t.name, &bytes).is_ok(),
+                cached,
+                "{}",
+                hop.payload_kind
+            );
         }
     }
 

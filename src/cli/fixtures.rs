@@ -166,6 +166,7 @@ fn describe(args: DescribeArgs) -> anyhow::Result<()> {
                     .collect(),
                 output_text_tokens: args.output_text_tokens.unwrap_or(0),
                 output_audio_seconds: args.output_audio_seconds.unwrap_or(0.0),
+                salt: 0,
             };
             ("request".to_string(), request)
         }
