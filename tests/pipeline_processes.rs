@@ -165,7 +165,17 @@ fn faults_a_killed_stage_process_fails_cleanly() {
     for s in &report.stages {
         if s.stage != "thinker_decode" {
             assert!(s.is_clean(), "{} leaked: {s:?}", s.stage);
+        } else {
+            // Issue 10: reported as exited, not as a leak with an underflowed counter.
+            let how = s.exited.as_deref().unwrap_or_default();
+            assert!(how.contains("signal: 9"), "{s:?}");
+            assert_eq!(s.open_mailboxes, 0);
         }
     }
+    assert!(report.summary.pools_clean, "{stdout}");
+    assert!(
+        stdout.contains("stage thinker_decode exited before the end") && !stdout.contains("LEAK"),
+        "{stdout}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -77,11 +77,60 @@ impl HarnessFault {
 }
 
 /// A fault in the transport (the engine's decorator) or in the connectors.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum AnyFault {
     Transport(FaultKind),
     Harness(HarnessFault),
+}
+
+impl HarnessFault {
+    pub const ALL: [HarnessFault; 6] = [
+        HarnessFault::TruncatedSidecar,
+        HarnessFault::UnknownVersionSidecar,
+        HarnessFault::InconsistentSidecar,
+        HarnessFault::GrantOutOfBounds,
+        HarnessFault::GrantRevoked,
+        HarnessFault::PoolExhausted,
+    ];
+}
+
+/// Every fault kind a scenario may name, for error messages.
+pub fn fault_kind_names() -> String {
+    FaultKind::ALL
+        .iter()
+        .map(|k| match k {
+            FaultKind::Delay { .. } => "{ delay: { ms: N } }",
+            k => k.name(),
+        })
+        .chain(HarnessFault::ALL.iter().map(|h| h.name()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+// By hand rather than `untagged`, whose error ("did not match any variant") names
+// neither the kind given nor the valid ones.
+impl<'de> Deserialize<'de> for AnyFault {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error;
+        let v = serde_json::Value::deserialize(d)?;
+        let transport = serde_json::from_value::<FaultKind>(v.clone());
+        if let Ok(k) = transport {
+            return Ok(AnyFault::Transport(k));
+        }
+        if let Ok(h) = serde_json::from_value::<HarnessFault>(v.clone()) {
+            return Ok(AnyFault::Harness(h));
+        }
+        let detail = match (&v, transport) {
+            // A map is meant as a transport kind with parameters: say what was wrong in it.
+            (serde_json::Value::Object(_), Err(e)) => format!(" ({e})"),
+            _ => String::new(),
+        };
+        Err(D::Error::custom(format!(
+            "unknown fault kind {v}{detail}; valid kinds: {}",
+            fault_kind_names()
+        )))
+    }
 }
 
 impl AnyFault {

@@ -177,7 +177,7 @@ impl Remote {
     /// Drains and stops every stage process; returns their usage.
     pub async fn shutdown(&self) -> Vec<StageUsage> {
         let mut out = Vec::new();
-        for (stage, l) in &self.links {
+        for (i, (stage, l)) in self.links.iter().enumerate() {
             let _ = l.send(Msg::Shutdown);
             match l.recv("", SETUP_TIMEOUT).await {
                 Ok(Msg::Bye { usage }) => {
@@ -185,12 +185,17 @@ impl Remote {
                     // Tells the stage its Bye arrived: it may exit now.
                     let _ = l.send(Msg::Shutdown);
                 }
-                _ => out.push(StageUsage {
-                    stage: stage.as_str().into(),
-                    // Unknown usage counts as a leak.
-                    open_mailboxes: usize::MAX,
-                    ..Default::default()
-                }),
+                _ => {
+                    // No usage: a process that exited took its memory with it; one still
+                    // running that does not answer counts as not clean.
+                    let status = self.children.lock().await[i].try_wait().ok().flatten();
+                    out.push(StageUsage {
+                        stage: stage.as_str().into(),
+                        exited: status.map(|s| s.to_string()),
+                        unanswered: status.is_none(),
+                        ..Default::default()
+                    });
+                }
             }
         }
         let mut children = self.children.lock().await;
@@ -265,7 +270,7 @@ pub async fn run_stage_process(
     let scenario: Scenario = serde_json::from_str(&json).map_err(setup)?;
     scenario.validate("setup")?;
     let requests = scenario.expand()?;
-    let plans: Vec<&RequestPlan> = requests.iter().map(|r| &r.plan).collect();
+    let plans: Vec<&RequestPlan> = requests.iter().map(|r| &*r.plan).collect();
     let sizes = scenario.pool_sizes(&plans);
 
     let parse = |s: &Option<String>, what: &str| -> Result<SocketAddr> {

@@ -374,11 +374,12 @@ impl Report {
     }
 
     /// Writes `dir/report.json` (creating `dir`); returns its path.
+    /// Writes `dir/report.json` atomically: a temporary file next to it, synced, then renamed
+    /// over it, so a full disk or a crash never leaves a truncated report. Errors name the path.
     pub fn write(&self, dir: &Path) -> Result<PathBuf> {
-        std::fs::create_dir_all(dir)?;
         let path = dir.join("report.json");
-        let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
-        std::fs::write(&path, json + "\n")?;
+        let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)? + "\n";
+        write_atomic(&path, json.as_bytes())?;
         Ok(path)
     }
 
@@ -423,8 +424,14 @@ impl Report {
                 r.error.as_deref().unwrap_or("?")
             );
         }
-        for st in self.stages.iter().filter(|u| !u.is_clean()) {
-            let _ = writeln!(out, "LEAK in {}: {:?}", st.stage, st);
+        for st in &self.stages {
+            if let Some(how) = &st.exited {
+                let _ = writeln!(out, "stage {} exited before the end ({how})", st.stage);
+            } else if st.unanswered {
+                let _ = writeln!(out, "stage {} did not report its usage", st.stage);
+            } else if !st.is_clean() {
+                let _ = writeln!(out, "LEAK in {}: {:?}", st.stage, st);
+            }
         }
         out
     }
@@ -442,4 +449,35 @@ mod tests {
         assert_eq!(percentile(&[3.0], 99.0), 3.0);
         assert_eq!(percentile(&[], 50.0), 0.0);
     }
+}
+
+/// Writes `path` through a temporary file in the same directory (synced, then renamed), so
+/// readers see the old file or the whole new one. Errors name the path.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let named = |e: std::io::Error, what: &str, p: &Path| {
+        std::io::Error::new(e.kind(), format!("{what} {}: {e}", p.display()))
+    };
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(d) = dir {
+        std::fs::create_dir_all(d).map_err(|e| named(e, "creating", d))?;
+    }
+    let name = path.file_name().map_or_else(
+        || std::ffi::OsString::from("file"),
+        std::ffi::OsStr::to_os_string,
+    );
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(&name);
+    tmp_name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| named(e, "creating", &tmp))?;
+        f.write_all(bytes).map_err(|e| named(e, "writing", &tmp))?;
+        f.sync_all().map_err(|e| named(e, "syncing", &tmp))?;
+        std::fs::rename(&tmp, path).map_err(|e| named(e, "renaming over", path))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }

@@ -173,7 +173,7 @@ impl Runner {
 
     pub async fn run(&self) -> Result<Report> {
         let requests = self.scenario.expand()?;
-        let plans: Vec<&RequestPlan> = requests.iter().map(|r| &r.plan).collect();
+        let plans: Vec<&RequestPlan> = requests.iter().map(|r| &*r.plan).collect();
         let faults = self.scenario.compile_faults(&requests)?;
         if self.scenario.kill_stage.is_some() && self.processes.is_none() {
             return Err(HarnessError::Setup(

@@ -39,6 +39,20 @@ use crate::stage::{PoolSizes, StageConfig};
 /// The scenario `omnirig run` uses without a file.
 pub const DEFAULT_SCENARIO_YAML: &str = include_str!("../scenarios/default.yaml");
 
+/// Bounds on what a scenario may ask for: beyond them durations overflow, semaphores panic
+/// and plans outgrow memory, so they are refused up front with the field named.
+pub const MAX_CONCURRENCY: usize = 100_000;
+/// Requests in one run, after `repeat` (each keeps a result in the report).
+pub const MAX_REQUESTS: u64 = 100_000;
+/// Any timeout: a week.
+pub const MAX_TIMEOUT_S: f64 = 7.0 * 86_400.0;
+/// Gap between arrivals at most (`interval_ms`), and the slowest Poisson rate.
+pub const MAX_INTERVAL_MS: f64 = 3_600_000.0;
+pub const MIN_RATE_PER_S: f64 = 1e-3;
+pub const MAX_RATE_PER_S: f64 = 1e9;
+/// Tokens per KV block at most.
+pub const MAX_BLOCK_TOKENS: u64 = 1 << 16;
+
 /// Transports a hop may use (loopback: one process; shm: processes of one host; tcp: any).
 pub const TRANSPORTS: [&str; 3] = ["loopback", "tcp", "shm"];
 
@@ -217,13 +231,35 @@ pub struct PlannedRequest {
     /// The golden case or entry name.
     pub label: String,
     pub spec: RequestSpec,
-    pub plan: RequestPlan,
+    /// Shapes and hops, shared by the repeats of one entry (so a long run plans each entry
+    /// once); the salt that varies a repeat's outputs is in `spec`.
+    pub plan: Arc<RequestPlan>,
 }
 
 fn bad(source: &str, reason: impl Into<String>) -> HarnessError {
     HarnessError::Scenario {
         source_name: source.into(),
         reason: reason.into(),
+    }
+}
+
+/// A number as people write it in a scenario: `1e300`, not three hundred digits.
+fn num(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-3..1e6).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// An error found inside the scenario from `source`, re-labelled with that file.
+fn within(source: &str, e: HarnessError) -> HarnessError {
+    match e {
+        HarnessError::Scenario {
+            source_name,
+            reason,
+        } => bad(source, format!("{source_name}: {reason}")),
+        e => bad(source, e.to_string()),
     }
 }
 
@@ -294,8 +330,14 @@ impl Scenario {
     }
 
     pub fn validate(&self, source: &str) -> Result<()> {
-        if self.concurrency == 0 {
-            return Err(bad(source, "concurrency must be at least 1"));
+        if !(1..=MAX_CONCURRENCY).contains(&self.concurrency) {
+            return Err(bad(
+                source,
+                format!(
+                    "concurrency: {} is not in 1..={MAX_CONCURRENCY}",
+                    self.concurrency
+                ),
+            ));
         }
         if self.requests.is_empty() {
             return Err(bad(source, "requests: at least one request"));
@@ -304,26 +346,73 @@ impl Scenario {
             ("hop_timeout_s", self.hop_timeout_s),
             ("request_timeout_s", self.request_timeout_s),
         ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(bad(source, format!("{name} must be a positive number")));
-            }
-        }
-        match self.arrival.pattern.as_str() {
-            "closed" => {}
-            "interval"
-                if self.arrival.interval_ms >= 0.0 && self.arrival.interval_ms.is_finite() => {}
-            "poisson" if self.arrival.rate_per_s > 0.0 && self.arrival.rate_per_s.is_finite() => {}
-            p => {
+            if !(v.is_finite() && v > 0.0 && v <= MAX_TIMEOUT_S) {
                 return Err(bad(
                     source,
                     format!(
-                        "arrival: pattern {p:?} needs closed, interval (interval_ms >= 0) or poisson (rate_per_s > 0)"
+                        "{name}: {} is not a number of seconds in (0, {MAX_TIMEOUT_S}]",
+                        num(v)
                     ),
                 ));
             }
         }
+        let a = &self.arrival;
+        match a.pattern.as_str() {
+            "closed" => {}
+            "interval" => {
+                if !(a.interval_ms.is_finite() && (0.0..=MAX_INTERVAL_MS).contains(&a.interval_ms))
+                {
+                    return Err(bad(
+                        source,
+                        format!(
+                            "arrival.interval_ms: {} is not in 0..={MAX_INTERVAL_MS}",
+                            num(a.interval_ms)
+                        ),
+                    ));
+                }
+            }
+            "poisson" => {
+                if !(a.rate_per_s.is_finite()
+                    && (MIN_RATE_PER_S..=MAX_RATE_PER_S).contains(&a.rate_per_s))
+                {
+                    return Err(bad(
+                        source,
+                        format!(
+                            "arrival.rate_per_s: {} is not in {MIN_RATE_PER_S}..={MAX_RATE_PER_S}",
+                            num(a.rate_per_s)
+                        ),
+                    ));
+                }
+            }
+            p => {
+                return Err(bad(
+                    source,
+                    format!(
+                        "arrival.pattern: {p:?} is not closed, interval (with interval_ms) or poisson (with rate_per_s)"
+                    ),
+                ));
+            }
+        }
+        if !(1..=MAX_BLOCK_TOKENS).contains(&self.block_tokens) {
+            return Err(bad(
+                source,
+                format!(
+                    "block_tokens: {} is not in 1..={MAX_BLOCK_TOKENS}",
+                    self.block_tokens
+                ),
+            ));
+        }
+        let total: u64 = self.requests.iter().map(|r| u64::from(r.repeat)).sum();
+        if total > MAX_REQUESTS {
+            return Err(bad(
+                source,
+                format!(
+                    "requests: {total} requests after repeat; a run takes at most {MAX_REQUESTS}"
+                ),
+            ));
+        }
         for k in PayloadKind::ALL {
-            self.transport_for(k)?;
+            self.transport_for(k).map_err(|e| within(source, e))?;
         }
         for (i, r) in self.requests.iter().enumerate() {
             if r.case.is_some() == r.request.is_some() {
@@ -341,10 +430,20 @@ impl Scenario {
         }
         if let Some(k) = &self.kill_stage {
             Stage::parse(&k.stage, "kill_stage.stage").map_err(|e| bad(source, e.to_string()))?;
+            if k.after_ms as f64 > MAX_TIMEOUT_S * 1e3 {
+                return Err(bad(
+                    source,
+                    format!(
+                        "kill_stage.after_ms: {} is past {} ms",
+                        k.after_ms,
+                        MAX_TIMEOUT_S * 1e3
+                    ),
+                ));
+            }
         }
-        let requests = self.expand().map_err(|e| bad(source, e.to_string()))?;
+        let requests = self.expand().map_err(|e| within(source, e))?;
         self.compile_faults(&requests)
-            .map_err(|e| bad(source, e.to_string()))?;
+            .map_err(|e| within(source, e))?;
         Ok(())
     }
 
@@ -392,22 +491,19 @@ impl Scenario {
                 ),
                 (None, None) => return Err(bad("requests", format!("requests[{i}] is empty"))),
             };
-            let plan = plan_request(&card, &spec, &self.shape_options())?;
+            let plan = Arc::new(plan_request(&card, &spec, &self.shape_options())?);
             for k in 0..r.repeat {
-                let (mut spec, mut plan) = if r.vary_seed && k > 0 {
+                let (mut spec, plan) = if r.vary_seed && k > 0 {
                     let mut spec = spec.clone();
                     spec.seed = spec.seed.wrapping_add(u64::from(k));
                     let plan = plan_request(&card, &spec, &self.shape_options())?;
-                    (spec, plan)
+                    (spec, Arc::new(plan))
                 } else {
                     (spec.clone(), plan.clone())
                 };
                 if self.distinct_outputs {
                     let n = seen.entry(format!("{spec:?}")).or_insert(0);
-                    if *n > 0 {
-                        spec.salt = spec.salt.wrapping_add(*n);
-                        plan.salt = spec.salt;
-                    }
+                    spec.salt = spec.salt.wrapping_add(*n);
                     *n += 1;
                 }
                 out.push(PlannedRequest {
@@ -582,9 +678,53 @@ requests:
                 "concurrency: 0\nrequests: [{ case: text_short }]",
                 "concurrency",
             ),
+            // Issue 10: values that passed validation and then panicked or overflowed.
+            (
+                "concurrency: 18446744073709551615\nrequests: [{ case: text_short }]",
+                "concurrency: 18446744073709551615 is not in 1..=100000",
+            ),
+            (
+                "hop_timeout_s: 1e300\nrequests: [{ case: text_short }]",
+                "hop_timeout_s: 1e300",
+            ),
+            (
+                "request_timeout_s: 1e19\nrequests: [{ case: text_short }]",
+                "request_timeout_s: 1e19",
+            ),
+            (
+                "arrival: { pattern: interval, interval_ms: 1e19 }\nrequests: [{ case: text_short }]",
+                "arrival.interval_ms",
+            ),
+            (
+                "arrival: { pattern: poisson, rate_per_s: 1e-300 }\nrequests: [{ case: text_short }]",
+                "arrival.rate_per_s",
+            ),
+            (
+                "block_tokens: 18446744073709551615\nrequests: [{ case: text_short }]",
+                "block_tokens",
+            ),
+            (
+                "requests: [{ case: text_short, repeat: 1000000 }]",
+                "1000000 requests after repeat",
+            ),
+            (
+                "kill_stage: { stage: talker, after_ms: 18446744073709551615 }\nrequests: [{ case: text_short }]",
+                "kill_stage.after_ms",
+            ),
+            (
+                "faults: [{ hop: kv_cache, request: 0, kind: explode }]\nrequests: [{ case: text_short }]",
+                "unknown fault kind \"explode\"; valid kinds: fail_submit, fail_slice, stall, { delay: { ms: N } }",
+            ),
+            (
+                "faults: [{ hop: kv_cache, request: 0, kind: { delay: { ms: -1 } } }]\nrequests: [{ case: text_short }]",
+                "valid kinds",
+            ),
         ] {
-            let e = Scenario::from_yaml(yaml, "t").unwrap_err().to_string();
+            let e = Scenario::from_yaml(yaml, "dir/s.yaml")
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(needle), "{yaml}: {e}");
+            assert!(e.contains("dir/s.yaml"), "{yaml}: names no file: {e}");
         }
     }
 }

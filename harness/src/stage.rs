@@ -129,6 +129,13 @@ pub struct StageUsage {
     pub engines: Vec<EngineUsage>,
     /// Control-link mailboxes of requests not yet forgotten.
     pub open_mailboxes: usize,
+    /// The stage's process had exited before it could report (killed, crashed), e.g.
+    /// "signal: 9 (SIGKILL)": its memory went with it, so there is nothing to count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exited: Option<String>,
+    /// The stage's process was still running but did not report its usage: not clean.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unanswered: bool,
 }
 
 /// A registered pool's reserved ranges.
@@ -169,6 +176,7 @@ impl StageUsage {
                 .iter()
                 .all(|e| (e.grants, e.batches, e.tasks, e.leases) == (0, 0, 0, 0))
             && self.open_mailboxes == 0
+            && !self.unanswered
     }
 }
 

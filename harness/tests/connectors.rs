@@ -102,7 +102,7 @@ async fn rig(slow_out: bool) -> Rig {
         up_link,
         down: Engine::new(cfg("code2wav-in")).await.unwrap(),
         down_link,
-        plan: req.plan,
+        plan: (*req.plan).clone(),
         spec: golden_case("image_audio").unwrap().request,
     }
 }

@@ -285,6 +285,8 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
                     leases: 0,
                 }],
                 open_mailboxes: 0,
+                exited: None,
+                unanswered: false,
             },
         },
     ]

@@ -442,3 +442,28 @@ async fn faults_caught_over_seeds(
     );
     assert_late_bytes_refused(&r);
 }
+
+/// Issue 10: a hop deadline of 0.1 ms fails requests (or not: loopback is quick), and
+/// whatever happens, freeing a batch releases everything: no engine task is left behind (it
+/// used to leave the tasks of transfers that ended on an early failure counted for good, and
+/// the run then waited 10 s for them).
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tiny_hop_deadline_leaves_nothing_behind(#[values("loopback", "tcp")] transport: &str) {
+    for _ in 0..3 {
+        let mut s = Scenario::golden("text_short", transport);
+        s.concurrency = 4;
+        s.requests[0].repeat = 8;
+        s.hop_timeout_s = 1e-4;
+        let t = std::time::Instant::now();
+        let r = run(s).await;
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        for q in r.requests.iter().filter(|q| !q.ok) {
+            assert!(q.failure.is_some(), "{}: {:?}", q.id, q.error);
+        }
+    }
+}

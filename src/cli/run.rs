@@ -33,13 +33,23 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(p) => Scenario::from_path(p)?,
         None => Scenario::default_scenario(),
     };
+    let source = match &args.scenario {
+        Some(p) => p.display().to_string(),
+        None => "the default scenario".into(),
+    };
     if let Some(t) = &args.transport {
         scenario = scenario.with_transport(t);
     }
     if let Some(c) = args.concurrency {
         scenario.concurrency = c;
     }
-    scenario.validate("command line")?;
+    if args.transport.is_some() || args.concurrency.is_some() {
+        scenario.validate(&format!("{source} with the command line's overrides"))?;
+    }
+    // Before the run, not after it: a report that cannot be written fails now.
+    if let Some(dir) = &args.report {
+        check_report_dir(dir)?;
+    }
     let mut runner = Runner::new(scenario).progress(!args.quiet);
     if args.processes {
         runner = runner.processes(std::env::current_exe().context("locating the omnirig binary")?);
@@ -52,18 +62,28 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.report {
         let path = report.write(dir)?;
         println!("report: {}", path.display());
-        // The run's own plots next to it (a failed plot never fails the run).
-        match crate::report::run_plots(&report, &dir.join("plots"), "") {
-            Ok(files) => println!(
-                "plots: {} files in {}",
-                files.len(),
-                dir.join("plots").display()
-            ),
-            Err(e) => eprintln!("plots: {e:#}"),
-        }
+        // The run's own plots next to it; a plot that cannot be drawn fails the command.
+        let plots = dir.join("plots");
+        let files = crate::report::run_plots(&report, &plots, "")
+            .with_context(|| format!("plots in {}", plots.display()))?;
+        println!("plots: {} files in {}", files.len(), plots.display());
     }
     if !report.passed() {
         std::process::exit(1);
     }
+    Ok(())
+}
+
+/// `--report DIR` must be a directory this process can create files in (created if missing).
+fn check_report_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        anyhow::bail!("--report {}: exists and is not a directory", dir.display());
+    }
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("--report {}: cannot create the directory", dir.display()))?;
+    let probe = dir.join(format!(".omnirig-probe-{}", std::process::id()));
+    std::fs::File::create(&probe)
+        .with_context(|| format!("--report {}: cannot write into it", dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
     Ok(())
 }

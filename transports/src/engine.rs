@@ -819,8 +819,8 @@ impl Engine {
     /// end TimedOut.
     pub async fn submit(&self, requests: Vec<Request>, timeout: Option<Duration>) -> Result<Batch> {
         let (batch, rest, span) = self.start(requests, timeout)?;
-        for (i, p) in rest {
-            let task = run_task(self.inner.clone(), batch.shared.clone(), i, p, true);
+        for (i, p, alive) in rest {
+            let task = run_task(self.inner.clone(), batch.shared.clone(), i, p, alive, true);
             tokio::spawn(task.instrument(span.clone()));
         }
         Ok(batch)
@@ -833,7 +833,7 @@ impl Engine {
         &self,
         requests: Vec<Request>,
         timeout: Option<Duration>,
-    ) -> Result<(Batch, Vec<(usize, Prepared)>, tracing::Span)> {
+    ) -> Result<(Batch, Vec<(usize, Prepared, TaskAlive)>, tracing::Span)> {
         let inner = &self.inner;
         let core = &inner.core;
         let id = inner.next_batch.fetch_add(1, Ordering::Relaxed);
@@ -904,8 +904,12 @@ impl Engine {
         let mut rest = Vec::new();
         for (i, p) in prepared.into_iter().enumerate() {
             core.live.tasks.fetch_add(1, Ordering::AcqRel);
-            if let Some(p) = span.in_scope(|| inner.try_inline(&shared, i, p)) {
-                rest.push((i, p));
+            // The count is given back by this guard however the task ends, even when its
+            // driver future is dropped before its first poll (`transfer` ending on an early
+            // failure), which used to leave the count up for good.
+            let alive = TaskAlive(core.live.clone());
+            if let Some(p) = span.in_scope(|| inner.try_inline(&shared, i, p, alive)) {
+                rest.push(p);
             }
         }
         Ok((Batch { shared }, rest, span))
@@ -918,15 +922,16 @@ impl Engine {
         let (batch, mut rest, span) = self.start(requests, timeout)?;
         if rest.len() <= 1 {
             // Nothing to race: drive the one task (if any) to its end, then read the outcome.
-            if let Some((i, p)) = rest.pop() {
-                run_task(self.inner.clone(), batch.shared.clone(), i, p, false)
+            if let Some((i, p, alive)) = rest.pop() {
+                run_task(self.inner.clone(), batch.shared.clone(), i, p, alive, false)
                     .instrument(span)
                     .await;
             }
             return batch.outcome().expect("every task has ended");
         }
-        let drivers = futures_util::future::join_all(rest.into_iter().map(|(i, p)| {
-            run_task(self.inner.clone(), batch.shared.clone(), i, p, false).instrument(span.clone())
+        let drivers = futures_util::future::join_all(rest.into_iter().map(|(i, p, alive)| {
+            run_task(self.inner.clone(), batch.shared.clone(), i, p, alive, false)
+                .instrument(span.clone())
         }));
         tokio::select! {
             _ = drivers => batch.wait_all().await,
@@ -976,9 +981,9 @@ async fn run_task(
     batch: Arc<BatchShared>,
     i: usize,
     p: Prepared,
+    alive: TaskAlive,
     cancelable: bool,
 ) {
-    let alive = TaskAlive(inner.core.live.clone());
     let r = &p.req;
     if !batch.lock().start(i) {
         return;
@@ -1077,15 +1082,23 @@ impl EngineInner {
     /// Runs a single-slice task on the submitting thread when its peer is already connected
     /// over a link that copies memory (loopback): no task, no timer, no wake-up. Gives the
     /// task back when it has to go through the scheduler.
-    fn try_inline(&self, batch: &BatchShared, i: usize, p: Prepared) -> Option<Prepared> {
+    fn try_inline(
+        &self,
+        batch: &BatchShared,
+        i: usize,
+        p: Prepared,
+        alive: TaskAlive,
+    ) -> Option<(usize, Prepared, TaskAlive)> {
         let peer = match self.peers.try_lock() {
             Ok(peers) => peers.get(&p.req.grant.segment).cloned(),
             Err(_) => None,
         };
-        let Some(peer) = peer else { return Some(p) };
+        let Some(peer) = peer else {
+            return Some((i, p, alive));
+        };
         let r = &p.req;
         if r.len > peer.link.slicing().slice_size {
-            return Some(p);
+            return Some((i, p, alive));
         }
         let op = r.slice(&p.buf.region, 0, r.len);
         let span = transfer_span(i, r);
@@ -1093,20 +1106,12 @@ impl EngineInner {
             .record("device", peer.info.device.as_str());
         let started = Instant::now();
         let outcome = match span.in_scope(|| peer.link.execute_inline(&op)) {
-            None => return Some(p),
+            None => return Some((i, p, alive)),
             Some(Ok(())) => TaskState::Completed,
             Some(Err(e)) => TaskState::Failed(e),
         };
         batch.lock().start(i);
-        conclude(
-            batch,
-            i,
-            p,
-            TaskAlive(self.core.live.clone()),
-            &span,
-            started,
-            outcome,
-        );
+        conclude(batch, i, p, alive, &span, started, outcome);
         None
     }
 

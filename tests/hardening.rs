@@ -1,0 +1,145 @@
+//! Issue 10 at the command line: input that passes a casual look must get a clear error
+//! naming what was wrong (never a panic, an abort or a hang), and reports are either written
+//! whole or refused up front.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("omnirig-hard-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn omnirig(args: &[&str], files: &[&Path]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args(args)
+        .args(files)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Exit status 1 (an error, not a panic's 101 or an abort's signal) and every needle said.
+fn refused(o: &Output, needles: &[&str]) {
+    let t = text(o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(!t.contains("panicked"), "{t}");
+    for n in needles {
+        assert!(t.contains(n), "missing {n:?} in: {t}");
+    }
+}
+
+#[test]
+fn out_of_range_scenario_values_are_refused_naming_field_and_file() {
+    let d = dir("ranges");
+    for (i, (yaml, field)) in [
+        ("hop_timeout_s: 1e300", "hop_timeout_s"),
+        ("request_timeout_s: 1e19", "request_timeout_s"),
+        ("concurrency: 18446744073709551615", "concurrency"),
+        (
+            "arrival: { pattern: interval, interval_ms: 1e19 }",
+            "arrival.interval_ms",
+        ),
+        (
+            "arrival: { pattern: poisson, rate_per_s: 1e-300 }",
+            "arrival.rate_per_s",
+        ),
+        (
+            "faults: [{ hop: kv_cache, request: 0, kind: explode }]",
+            "valid kinds: fail_submit",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let f = d.join(format!("s{i}.yaml"));
+        std::fs::write(&f, format!("{yaml}\nrequests: [{{ case: text_short }}]\n")).unwrap();
+        let o = omnirig(&["run", "-q"], &[&f]);
+        refused(&o, &[field, &f.display().to_string()]);
+    }
+    // The same through a command-line override: the error still names the file.
+    let f = d.join("ok.yaml");
+    std::fs::write(&f, "requests: [{ case: text_short }]\n").unwrap();
+    let o = omnirig(
+        &["run", "-q", "--concurrency", "18446744073709551615"],
+        &[&f],
+    );
+    refused(&o, &["concurrency", &f.display().to_string()]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_card_with_four_billion_layers_is_refused() {
+    let d = dir("card");
+    let card = d.join("card.yaml");
+    let yaml = include_str!("../fixtures/cards/qwen3-omni-30b-a3b.yaml")
+        .replace("num_layers: 48", "num_layers: 4294967295");
+    std::fs::write(&card, yaml).unwrap();
+    let o = omnirig(
+        &["fixtures", "describe", "--case", "text_short", "--card"],
+        &[&card],
+    );
+    refused(&o, &["thinker.num_layers", "4294967295"]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `--report` at a file: refused before the run (the scenario would take 30 s), naming it.
+#[test]
+fn an_unusable_report_path_fails_before_the_run() {
+    let d = dir("report-path");
+    let f = d.join("slow.yaml");
+    std::fs::write(
+        &f,
+        "compute: { thinker_decode: { per_item_us: 30000000 } }\nrequests: [{ case: text_short }]\n",
+    )
+    .unwrap();
+    let file = d.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let t = Instant::now();
+    let o = Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args(["run", "-q", "--report"])
+        .arg(&file)
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    refused(&o, &[&file.display().to_string(), "not a directory"]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A plot that cannot be written fails the command; report.json is still whole.
+#[test]
+fn a_failed_plot_fails_the_run() {
+    let d = dir("plot");
+    std::fs::write(d.join("plots"), "in the way").unwrap();
+    let f = d.join("s.yaml");
+    std::fs::write(&f, "requests: [{ case: text_short }]\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args(["run", "-q", "--report"])
+        .arg(&d)
+        .arg(&f)
+        .output()
+        .unwrap();
+    refused(&o, &["plots"]);
+    let r: omnirig_harness::Report =
+        serde_json::from_slice(&std::fs::read(d.join("report.json")).unwrap()).unwrap();
+    assert_eq!(r.requests.len(), 1);
+    let leftovers: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    let _ = std::fs::remove_dir_all(&d);
+}
