@@ -143,3 +143,91 @@ fn a_failed_plot_fails_the_run() {
     assert!(leftovers.is_empty(), "{leftovers:?}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// The pids of `parent`'s child processes.
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{parent}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let p = t.path().join("children");
+        if let Ok(s) = std::fs::read_to_string(p) {
+            out.extend(s.split_whitespace().filter_map(|x| x.parse::<u32>().ok()));
+        }
+    }
+    out
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+/// Issue 10: a stage process that stops (SIGSTOP) used to keep the run alive for 24 hours.
+/// Now the run ends within a deadline derived from the scenario's timeouts, names the stage,
+/// and starts no new request once it is lost.
+#[test]
+fn a_stopped_stage_process_ends_the_run_in_bounded_time() {
+    let d = dir("sigstop");
+    let f = d.join("s.yaml");
+    // 40 requests of ~0.2 s each at concurrency 2: the run would last ~4 s; decode is
+    // stopped early on. Deadline per request: 2 + 8 x 0.5 + 0.2 + 5 s = 11.2 s.
+    std::fs::write(
+        &f,
+        "concurrency: 2\nhop_timeout_s: 0.5\nrequest_timeout_s: 2\n\
+         compute: { talker: { per_item_us: 200000 } }\n\
+         requests: [{ case: text_short, repeat: 40 }]\n",
+    )
+    .unwrap();
+    let t = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args(["run", "--processes", "--quiet"])
+        .arg(&f)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Find the decode stage once it runs, let it work a little, then stop it.
+    let decode = loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "no decode stage process"
+        );
+        if let Some(p) = children_of(child.id())
+            .into_iter()
+            .find(|&p| cmdline(p).contains("--stage thinker_decode"))
+        {
+            break p;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    let stopped = Command::new("kill")
+        .args(["-STOP", &decode.to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let stopped_at = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let took = stopped_at.elapsed();
+    // Whatever happened, never leave a stopped process behind.
+    let _ = Command::new("kill")
+        .args(["-KILL", &decode.to_string()])
+        .status();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(
+        took < Duration::from_secs(30),
+        "ended {took:?} after the stop: {t}"
+    );
+    assert!(t.contains("thinker_decode"), "{t}");
+    assert!(t.contains("stopped or hung"), "{t}");
+    assert!(
+        t.contains("not started: stage thinker_decode is gone"),
+        "{t}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

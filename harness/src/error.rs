@@ -18,6 +18,14 @@ pub enum HarnessError {
     /// A scenario did not parse or is inconsistent.
     #[error("scenario {source_name}: {reason}")]
     Scenario { source_name: String, reason: String },
+    /// A stage could not finish a request in the time anyone would wait for it (a modelled
+    /// compute past the request timeout, a stage process that stopped answering).
+    #[error("{stage}, request {request}: timed out: {reason}")]
+    Deadline {
+        stage: String,
+        request: String,
+        reason: String,
+    },
     /// A control channel failed or delivered a malformed message.
     #[error("control channel {channel}: {reason}")]
     Control { channel: String, reason: String },

@@ -15,7 +15,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
+use omnirig_fixtures::{ModelCard, PayloadKind, RequestPlan, RequestSpec, Stage, plan_request};
+use omnirig_model_stubs::Stub;
 use omnirig_transports::{Engine, EngineConfig, InProcessStore, ShmConfig, TransportPolicy};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
@@ -34,6 +35,95 @@ fn setup(msg: impl std::fmt::Display) -> HarnessError {
     HarnessError::Setup(msg.to_string())
 }
 
+/// The environment variable that hands a stage process its run's secret.
+pub const RUN_SECRET_ENV: &str = "OMNIRIG_RUN_SECRET";
+/// What a connection sends first, before anything it says is decoded: this magic and the
+/// run's secret (32 hex digits). Fixed length, so nothing sized by the peer is read before
+/// it proved it is a stage of this run.
+const PREFACE_MAGIC: &[u8; 8] = b"OMNIRIG1";
+const PREFACE_LEN: usize = 8 + 32;
+/// How long an accepted connection has to send its preface.
+const PREFACE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A fresh secret for one run: 128 bits from the kernel, as hex.
+fn new_secret() -> Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(|e| setup(format!("reading /dev/urandom for the run secret: {e}")))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn preface(secret: &str) -> Vec<u8> {
+    let mut p = PREFACE_MAGIC.to_vec();
+    p.extend_from_slice(secret.as_bytes());
+    p
+}
+
+/// Connects to `addr` and proves this process is a stage of the run holding `secret`.
+async fn connect_with_secret(addr: SocketAddr, secret: &str) -> Result<TcpStream> {
+    use tokio::io::AsyncWriteExt;
+    let mut s = TcpStream::connect(addr).await?;
+    s.write_all(&preface(secret)).await?;
+    Ok(s)
+}
+
+/// Reads an accepted connection's preface; the stream if it carries `secret`.
+async fn check_preface(mut s: TcpStream, secret: &str) -> Option<TcpStream> {
+    use tokio::io::AsyncReadExt;
+    let mut got = [0u8; PREFACE_LEN];
+    match tokio::time::timeout(PREFACE_TIMEOUT, s.read_exact(&mut got)).await {
+        Ok(Ok(_)) if got[..] == preface(secret)[..] => Some(s),
+        _ => None,
+    }
+}
+
+/// Accepts connections on `listener` until one proves it belongs to the run (by `deadline`).
+/// Connections that stay silent, send garbage or the wrong secret are dropped without
+/// holding up the others: each gets its own task and [`PREFACE_TIMEOUT`].
+struct Gate {
+    verified: tokio::sync::mpsc::Receiver<TcpStream>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Gate {
+    fn new(listener: TcpListener, secret: String) -> Gate {
+        let (tx, verified) = tokio::sync::mpsc::channel(16);
+        let task = tokio::spawn(async move {
+            while let Ok((s, peer)) = listener.accept().await {
+                let (tx, secret) = (tx.clone(), secret.clone());
+                tokio::spawn(async move {
+                    match check_preface(s, &secret).await {
+                        Some(s) => {
+                            let _ = tx.send(s).await;
+                        }
+                        None => {
+                            tracing::warn!(%peer, "control connection without the run's secret dropped")
+                        }
+                    }
+                });
+            }
+        });
+        Gate { verified, task }
+    }
+
+    async fn next(&mut self, deadline: tokio::time::Instant, what: &str) -> Result<TcpStream> {
+        match tokio::time::timeout_at(deadline, self.verified.recv()).await {
+            Ok(Some(s)) => Ok(s),
+            _ => Err(setup(format!(
+                "{what} did not connect with the run's secret in time"
+            ))),
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// A stage's link, inbound and outbound engine addresses, control address.
 type Hello = (Link, Option<String>, Option<String>, String);
 
@@ -41,7 +131,9 @@ type Hello = (Link, Option<String>, Option<String>, String);
 pub struct Remote {
     links: Vec<(Stage, Link)>,
     children: Arc<tokio::sync::Mutex<Vec<Child>>>,
-    timeout: Duration,
+    scenario: Scenario,
+    /// Set once a stage process died or stopped answering: no new request starts.
+    halted: std::sync::Mutex<Option<(Stage, String)>>,
 }
 
 impl Remote {
@@ -49,6 +141,8 @@ impl Remote {
     pub async fn spawn(exe: &Path, scenario: &Scenario) -> Result<Remote> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
+        let secret = new_secret()?;
+        let mut gate = Gate::new(listener, secret.clone());
         let mut children = Vec::new();
         for stage in Stage::ALL {
             let hop_transport = |k: Option<PayloadKind>| -> Result<&'static str> {
@@ -67,6 +161,7 @@ impl Remote {
                 .arg(hop_transport(inbound_kind(stage))?)
                 .arg("--out-transport")
                 .arg(hop_transport(outbound_kind(stage))?)
+                .env(RUN_SECRET_ENV, &secret)
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .kill_on_drop(true)
@@ -75,10 +170,11 @@ impl Remote {
             children.push(child);
         }
         let mut hellos: BTreeMap<&'static str, Hello> = BTreeMap::new();
+        let deadline = tokio::time::Instant::now() + SETUP_TIMEOUT;
         while hellos.len() < Stage::ALL.len() {
-            let (stream, _) = tokio::time::timeout(SETUP_TIMEOUT, listener.accept())
-                .await
-                .map_err(|_| setup("stage processes did not all connect within 60 s"))??;
+            let stream = gate
+                .next(deadline, "not every stage process (within 60 s)")
+                .await?;
             let link = Link::tcp("orchestrator", stream);
             match link.recv("", SETUP_TIMEOUT).await? {
                 Msg::Hello {
@@ -135,10 +231,45 @@ impl Remote {
         Ok(Remote {
             links,
             children,
-            // Each stage bounds its own waits by the hop timeout and always answers; this
-            // only catches a stage process that hangs (one that dies closes its link at once).
-            timeout: IDLE_TIMEOUT,
+            scenario: scenario.clone(),
+            halted: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Why no new request may start (a stage process died or stopped answering), if so.
+    pub fn halted(&self) -> Option<String> {
+        self.halted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|(stage, why)| format!("stage {stage} is gone ({why})"))
+    }
+
+    fn halt(&self, stage: Stage, why: String) {
+        let mut h = self.halted.lock().unwrap_or_else(|p| p.into_inner());
+        if h.is_none() {
+            tracing::warn!(%stage, %why, "stage process lost: no new requests start");
+            *h = Some((stage, why));
+        }
+    }
+
+    /// How long every stage together may take for `spec`: each stage bounds its own waits
+    /// (an offer within the request timeout, each handoff step within the hop timeout) and
+    /// always answers, so a stage silent past this is stopped or hung.
+    pub fn request_deadline(&self, spec: &RequestSpec) -> Duration {
+        let s = &self.scenario;
+        let compute = plan_request(&ModelCard::qwen3_omni(), spec, &s.shape_options())
+            .map(|plan| {
+                Stage::ALL
+                    .iter()
+                    .map(|&st| Stub::new(st, s.compute.of(st)).compute_time(&plan))
+                    .fold(Duration::ZERO, Duration::saturating_add)
+            })
+            .unwrap_or_default();
+        Duration::from_secs_f64(s.request_timeout_s)
+            .saturating_add(s.hop_timeout().saturating_mul(8))
+            .saturating_add(compute)
+            .saturating_add(Duration::from_secs(5))
     }
 
     /// Runs one request on all five stages.
@@ -149,26 +280,43 @@ impl Remote {
                 spec: spec.clone(),
             });
         }
+        let deadline = self.request_deadline(spec);
         let all = self.links.iter().map(|(stage, l)| async move {
-            let r = l.recv(id, self.timeout).await;
+            let r = l.recv(id, deadline).await;
             l.forget(id);
+            let failed = |e: String| StageOutcome {
+                stage: stage.as_str().into(),
+                participated: true,
+                error: Some(e),
+                ..Default::default()
+            };
             match r {
                 Ok(Msg::StageDone { outcome, .. }) => outcome,
-                Ok(other) => StageOutcome {
-                    stage: stage.as_str().into(),
-                    participated: true,
-                    error: Some(format!(
-                        "{stage}: expected stage_done, got {}",
-                        other.name()
-                    )),
-                    ..Default::default()
-                },
-                Err(e) => StageOutcome {
-                    stage: stage.as_str().into(),
-                    participated: true,
-                    error: Some(format!("{stage} process: {e}")),
-                    ..Default::default()
-                },
+                Ok(other) => failed(format!(
+                    "{stage}: expected stage_done, got {}",
+                    other.name()
+                )),
+                Err(e) => {
+                    // Closed: the process died. Silent past the deadline: stopped or hung.
+                    let why = match &e {
+                        HarnessError::Control { reason, .. } if reason.starts_with("no message") => {
+                            format!(
+                                "did not answer request {id} within {:.1} s (request timeout + 8 hop timeouts + compute + 5 s); stopped or hung",
+                                deadline.as_secs_f64()
+                            )
+                        }
+                        e => e.to_string(),
+                    };
+                    self.halt(*stage, why.clone());
+                    failed(
+                        HarnessError::Deadline {
+                            stage: format!("{stage} process"),
+                            request: id.into(),
+                            reason: why,
+                        }
+                        .to_string(),
+                    )
+                }
             }
         });
         futures_util::future::join_all(all).await
@@ -176,6 +324,21 @@ impl Remote {
 
     /// Drains and stops every stage process; returns their usage.
     pub async fn shutdown(&self) -> Vec<StageUsage> {
+        // A stage that stopped answering is killed first: its peers' waits on it end at once
+        // (its sockets close) instead of running out their timeouts, and so does ours.
+        let lost = self
+            .halted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some((stage, _)) = &lost {
+            let i = Stage::ALL.iter().position(|s| s == stage).expect("a stage");
+            let mut children = self.children.lock().await;
+            if matches!(children[i].try_wait(), Ok(None)) {
+                let _ = children[i].start_kill();
+                let _ = tokio::time::timeout(Duration::from_secs(5), children[i].wait()).await;
+            }
+        }
         let mut out = Vec::new();
         for (i, (stage, l)) in self.links.iter().enumerate() {
             let _ = l.send(Msg::Shutdown);
@@ -189,9 +352,14 @@ impl Remote {
                     // No usage: a process that exited took its memory with it; one still
                     // running that does not answer counts as not clean.
                     let status = self.children.lock().await[i].try_wait().ok().flatten();
+                    let why = lost
+                        .as_ref()
+                        .filter(|(s, _)| s == stage)
+                        .map(|(_, why)| format!("; killed after it was lost: {why}"))
+                        .unwrap_or_default();
                     out.push(StageUsage {
                         stage: stage.as_str().into(),
-                        exited: status.map(|s| s.to_string()),
+                        exited: status.map(|s| format!("{s}{why}")),
                         unanswered: status.is_none(),
                         ..Default::default()
                     });
@@ -251,11 +419,21 @@ pub async fn run_stage_process(
         Some(_) => Some(Arc::new(Engine::new(engine("out", out_transport)).await?)),
         None => None,
     };
+    let secret = std::env::var(RUN_SECRET_ENV).map_err(|_| {
+        setup(format!(
+            "{RUN_SECRET_ENV} is not set: stage processes are started by `omnirig run --processes`"
+        ))
+    })?;
     let control = TcpListener::bind("127.0.0.1:0").await?;
-    let orch = Link::tcp("orchestrator", TcpStream::connect(orchestrator).await?);
+    let control_addr = control.local_addr()?;
+    let mut gate = Gate::new(control, secret.clone());
+    let orch = Link::tcp(
+        "orchestrator",
+        connect_with_secret(orchestrator, &secret).await?,
+    );
     orch.send(Msg::Hello {
         stage: stage.as_str().into(),
-        control: control.local_addr()?.to_string(),
+        control: control_addr.to_string(),
         engine_in: engine_in.as_deref().and_then(addr_of),
         engine_out: engine_out.as_deref().and_then(addr_of),
     })?;
@@ -281,7 +459,8 @@ pub async fn run_stage_process(
     };
     let outbound = match &engine_out {
         Some(e) => {
-            let stream = TcpStream::connect(parse(&down_control, "control address")?).await?;
+            let stream =
+                connect_with_secret(parse(&down_control, "control address")?, &secret).await?;
             let link = Link::tcp(&format!("{stage}->downstream"), stream);
             link.send(Msg::Peer {
                 stage: stage.as_str().into(),
@@ -297,9 +476,12 @@ pub async fn run_stage_process(
     };
     let inbound = match &engine_in {
         Some(e) => {
-            let (stream, _) = tokio::time::timeout(SETUP_TIMEOUT, control.accept())
-                .await
-                .map_err(|_| setup(format!("{stage}: upstream stage did not connect")))??;
+            let stream = gate
+                .next(
+                    tokio::time::Instant::now() + SETUP_TIMEOUT,
+                    &format!("{stage}: the upstream stage"),
+                )
+                .await?;
             let link = Link::tcp(&format!("upstream->{stage}"), stream);
             match link.recv("", SETUP_TIMEOUT).await? {
                 Msg::Peer { .. } => link.forget(""),
@@ -340,5 +522,45 @@ pub async fn run_stage_process(
             }
             other => return Err(setup(format!("unexpected {}", other.name()))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// Issue 10: a local process that connects first and stays silent used to stall setup
+    /// 60 s, and one that sent a huge length prefix aborted the run. Neither holds up a stage
+    /// that proves it belongs to the run, and neither gets anything decoded.
+    #[tokio::test]
+    async fn only_connections_with_the_run_secret_pass_the_gate() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let secret = new_secret().unwrap();
+        assert_eq!(secret.len(), 32);
+        let mut gate = Gate::new(listener, secret.clone());
+        let _silent = TcpStream::connect(addr).await.unwrap();
+        let mut huge = TcpStream::connect(addr).await.unwrap();
+        huge.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+        let mut wrong = TcpStream::connect(addr).await.unwrap();
+        wrong.write_all(&preface(&"0".repeat(32))).await.unwrap();
+        let t = std::time::Instant::now();
+        let good = connect_with_secret(addr, &secret).await.unwrap();
+        let got = gate
+            .next(tokio::time::Instant::now() + Duration::from_secs(3), "test")
+            .await
+            .unwrap();
+        assert!(t.elapsed() < PREFACE_TIMEOUT, "{:?}", t.elapsed());
+        assert_eq!(got.peer_addr().unwrap(), good.local_addr().unwrap());
+        // Nothing else gets through.
+        let e = gate
+            .next(
+                tokio::time::Instant::now() + Duration::from_millis(300),
+                "nobody",
+            )
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("nobody did not connect"), "{e}");
     }
 }

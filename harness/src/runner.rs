@@ -58,6 +58,14 @@ impl Stages {
         }
     }
 
+    /// Why no new request may start, if a stage is gone.
+    fn halted(&self) -> Option<String> {
+        match self {
+            Stages::Local(_) => None,
+            Stages::Remote(r) => r.halted(),
+        }
+    }
+
     async fn drain(&self) -> Vec<StageUsage> {
         match self {
             Stages::Local(w) => futures_util::future::join_all(w.iter().map(|w| w.drain())).await,
@@ -262,6 +270,22 @@ impl Runner {
                 tokio::time::sleep_until(start + off).await;
             }
             let permit = sem.clone().acquire_owned().await.expect("never closed");
+            // A stage is gone: the rest fail at once, naming it, instead of one by one.
+            if let Some(why) = stages.halted() {
+                let outcome = StageOutcome {
+                    stage: "orchestrator".into(),
+                    participated: true,
+                    error: Some(format!("request {} not started: {why}", r.id)),
+                    ..Default::default()
+                };
+                let res = request_result(r, vec![outcome], 0.0);
+                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                if self.progress {
+                    eprintln!("[{n}/{total}] {} NOT STARTED: {why}", res.id);
+                }
+                handles.push(tokio::spawn(async move { res }));
+                continue;
+            }
             let (stages, r, done, progress) =
                 (stages.clone(), r.clone(), done.clone(), self.progress);
             handles.push(tokio::spawn(async move {

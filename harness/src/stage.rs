@@ -513,7 +513,8 @@ impl StageWorker {
         if self.stub.participates(&plan) {
             out.participated = true;
             let span = tracing::debug_span!("stage", stage = %self.cfg.stage, request);
-            let r = tracing::Instrument::instrument(self.run(request, &plan, &mut out), span).await;
+            let r =
+                tracing::Instrument::instrument(self.run(request, &plan, &mut out, t0), span).await;
             match r {
                 Ok(()) => {
                     tracing::debug!(stage = %self.cfg.stage, request, received = ?out.received, sent = ?out.sent, "done")
@@ -537,7 +538,13 @@ impl StageWorker {
         out
     }
 
-    async fn run(&self, rid: &str, plan: &RequestPlan, out: &mut StageOutcome) -> Result<()> {
+    async fn run(
+        &self,
+        rid: &str,
+        plan: &RequestPlan,
+        out: &mut StageOutcome,
+        started: Instant,
+    ) -> Result<()> {
         let held = match (&self.inbound, self.stub.inbound(plan)) {
             (Some(side), Some(hop)) => match self.receive(side, plan, hop, rid).await {
                 Ok((held, rec)) => {
@@ -559,6 +566,28 @@ impl StageWorker {
         };
         // Fence passed: every inbound tensor completed and matched. Now "compute".
         let c = self.stub.compute_time(plan);
+        // Nobody waits past the request timeout (downstream stages for this stage's offer,
+        // counted from when they started the request as this one did): a modelled compute
+        // that would end later fails now, instead of keeping the run alive for nothing.
+        let budget = self.cfg.request_timeout.saturating_sub(started.elapsed());
+        if c > budget {
+            let e = HarnessError::Deadline {
+                stage: self.cfg.stage.as_str().into(),
+                request: rid.into(),
+                reason: format!(
+                    "modelled compute of {:.3} s would end past the request timeout ({:.3} s left of {:.3} s){}",
+                    c.as_secs_f64(),
+                    budget.as_secs_f64(),
+                    self.cfg.request_timeout.as_secs_f64(),
+                    self.stub
+                        .outbound(plan)
+                        .map(|h| format!(": its {} offer would come too late", h.payload_kind))
+                        .unwrap_or_default()
+                ),
+            };
+            self.abort_outbound(rid, plan, &e).await;
+            return Err(e);
+        }
         let t = Instant::now();
         if !c.is_zero() {
             tokio::time::sleep(c).await;

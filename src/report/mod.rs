@@ -70,9 +70,33 @@ pub enum Input {
     Run(Box<Report>),
 }
 
+/// Inputs larger than this are refused (results and reports are a few MiB at most).
+pub const MAX_INPUT_BYTES: u64 = 256 << 20;
+
 pub fn load(path: &Path) -> anyhow::Result<Input> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    use std::io::Read;
+    // Only regular files, and only so much of them: /dev/zero or a FIFO would be read forever.
+    let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    if !meta.is_file() {
+        anyhow::bail!("{}: not a regular file", path.display());
+    }
+    if meta.len() > MAX_INPUT_BYTES {
+        anyhow::bail!(
+            "{}: {} bytes, more than the {MAX_INPUT_BYTES} an input may have",
+            path.display(),
+            meta.len()
+        );
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_INPUT_BYTES + 1).read_to_string(&mut text))
+        .with_context(|| format!("reading {}", path.display()))?;
+    if text.len() as u64 > MAX_INPUT_BYTES {
+        anyhow::bail!(
+            "{}: grew past {MAX_INPUT_BYTES} bytes while read",
+            path.display()
+        );
+    }
     let v: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     if v.get("report_version").is_some() {
@@ -215,9 +239,19 @@ impl Series {
     }
 }
 
+/// Values an axis spans at most: plotters walks an axis decade by decade, so an empty
+/// range (no plottable value: `f64::MAX..f64::MIN`) or one reaching infinity never ends.
+const AXIS_MIN: f64 = 1e-12;
+const AXIS_MAX: f64 = 1e15;
+
+/// The range of the positive finite values of `v`, clamped to [`AXIS_MIN`]..[`AXIS_MAX`];
+/// `(1, 10)` when there is none.
 fn bounds(v: impl Iterator<Item = f64>) -> (f64, f64) {
-    v.filter(|x| x.is_finite() && *x > 0.0)
-        .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)))
+    let (lo, hi) = v
+        .filter(|x| x.is_finite() && *x > 0.0)
+        .map(|x| x.clamp(AXIS_MIN, AXIS_MAX))
+        .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    if lo > hi { (1.0, 10.0) } else { (lo, hi) }
 }
 
 /// Draws one line, dashed as a run of short segments.
@@ -231,6 +265,12 @@ where
     Y: Ranged<ValueType = f64>,
     DB::ErrorType: 'static,
 {
+    // Points far outside the axis would overflow the pixel arithmetic: keep them at its edge.
+    let pts: Vec<(f64, f64)> = pts
+        .into_iter()
+        .filter(|(x, y)| !x.is_nan() && !y.is_nan())
+        .map(|(x, y)| (x.clamp(-AXIS_MAX, AXIS_MAX), y.clamp(-AXIS_MAX, AXIS_MAX)))
+        .collect();
     let style = s.color.stroke_width(3);
     let c = s.color;
     match s.dash {
@@ -736,7 +776,7 @@ where
         "code2wav",
     ];
     let rows = spans.len() * stages.len();
-    let xmax = r.requests.iter().map(|q| q.e2e_ms).fold(1.0f64, f64::max);
+    let xmax = bounds(r.requests.iter().map(|q| q.e2e_ms)).1.max(1.0);
     let mut chart = ChartBuilder::on(area)
         .caption(
             format!(
@@ -787,6 +827,15 @@ where
                     1 => (start + recv, start + recv + comp),
                     _ => (start + recv + comp, start + recv + comp + send),
                 };
+                // Within the axis (extreme values would overflow the pixel arithmetic).
+                let edge = |v: f64| {
+                    if v.is_nan() {
+                        0.0
+                    } else {
+                        v.clamp(0.0, xmax * 1.05)
+                    }
+                };
+                let (a, b) = (edge(a), edge(b));
                 if b > a {
                     rects.push(Rectangle::new(
                         [
@@ -807,10 +856,15 @@ where
     // Each request's end-to-end mark.
     for (ri, q) in r.requests.iter().enumerate() {
         let top = (rows - ri * stages.len()) as i32;
+        let e2e = if q.e2e_ms.is_nan() {
+            0.0
+        } else {
+            q.e2e_ms.clamp(0.0, xmax * 1.05)
+        };
         chart.draw_series(std::iter::once(PathElement::new(
             vec![
-                (q.e2e_ms, SegmentValue::Exact(top)),
-                (q.e2e_ms, SegmentValue::Exact(top - stages.len() as i32)),
+                (e2e, SegmentValue::Exact(top)),
+                (e2e, SegmentValue::Exact(top - stages.len() as i32)),
             ],
             BLACK.stroke_width(2),
         )))?;
@@ -958,6 +1012,95 @@ mod tests {
         assert_eq!(&png[1..4], b"PNG");
         let svg = std::fs::read_to_string(out.join("pipeline-latency.svg")).unwrap();
         assert!(svg.contains("Five-stage request latency"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Issue 10: `omnirig report` spun forever at 100% CPU on a pipeline result without
+    /// `throughput_rps` and on extreme values, and read /dev/zero forever. Every input renders
+    /// (within a bound, checked from another thread) or is refused.
+    #[test]
+    fn odd_inputs_render_or_are_refused_never_spin() {
+        let dir = std::env::temp_dir().join(format!("omnirig-report-odd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut inputs = Vec::new();
+        for (i, (lat, rps)) in [
+            (1000u64, None),
+            (u64::MAX, Some((1e300, f64::MAX))),
+            (1, Some((0.0, -1.0))),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut pipe = Results {
+                suite: "pipeline".into(),
+                transport: "tcp".into(),
+                rows: vec![],
+            };
+            let mut r = Row::new(
+                "request",
+                1 << 20,
+                &samples(&[lat, lat], 1 << 20),
+                "pickle",
+                &samples(&[lat, 1], 1 << 20),
+            );
+            r.concurrency = Some(1 + i);
+            r.throughput_rps = rps;
+            pipe.rows.push(r);
+            inputs.push(write(&dir, &format!("p{i}.json"), &pipe));
+        }
+        let mut report = Report {
+            report_version: 1,
+            scenario: "t".into(),
+            mode: "in_process".into(),
+            transports: Default::default(),
+            concurrency: 1,
+            wall_s: 1.0,
+            summary: Summary::default(),
+            hops: vec![],
+            requests: vec![RequestResult {
+                id: "000-x".into(),
+                e2e_ms: 1e300,
+                hops: vec![HopResult {
+                    hop: "kv_cache".into(),
+                    transfer_ms: f64::MAX,
+                    handoff_ms: 0.0,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            stages: vec![],
+            faults: None,
+        };
+        report.summarise();
+        report.write(&dir).unwrap();
+        inputs.push(dir.join("report.json"));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (ins, out) = (inputs.clone(), dir.join("plots"));
+        std::thread::spawn(move || {
+            let _ = tx.send(render(&ins, &out).map(|f| f.len()));
+        });
+        let files = rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .expect("render did not finish: it spins")
+            .unwrap();
+        assert!(files > 0);
+        // Not regular files, or too large: refused with the path named, nothing read.
+        let big = dir.join("big.json");
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(MAX_INPUT_BYTES + 1)
+            .unwrap();
+        for (p, why) in [
+            (Path::new("/dev/zero"), "not a regular file"),
+            (dir.as_path(), "not a regular file"),
+            (big.as_path(), "more than"),
+        ] {
+            let e = format!("{:#}", load(p).err().expect("refused"));
+            assert!(
+                e.contains(why) && e.contains(&p.display().to_string()),
+                "{e}"
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
