@@ -231,3 +231,37 @@ fn a_stopped_stage_process_ends_the_run_in_bounded_time() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Issue 10: sizes from input are checked against the memory this machine has, with a
+/// clear error, before anything is registered (shm used to populate a 1000 GiB memfd until
+/// the kernel killed the process).
+#[test]
+fn sizes_beyond_the_machine_are_refused_up_front() {
+    let t = Instant::now();
+    let o = omnirig(
+        &[
+            "bench",
+            "transfer",
+            "--transport",
+            "shm",
+            "--sizes",
+            "1000G",
+        ],
+        &[],
+    );
+    refused(&o, &["1000.0 GiB", "MemAvailable"]);
+    let d = dir("huge-tokens");
+    let f = d.join("huge.yaml");
+    std::fs::write(
+        &f,
+        "transport: shm\nrequests: [{ name: huge, request: { seed: 1, text_tokens: 100000000, \
+         output_text_tokens: 8, output_audio_seconds: 1.0 } }]\n",
+    )
+    .unwrap();
+    for args in [&["run", "-q"][..], &["run", "-q", "--processes"][..]] {
+        let o = omnirig(args, &[&f]);
+        refused(&o, &["MemAvailable", &f.display().to_string()]);
+    }
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&d);
+}

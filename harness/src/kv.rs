@@ -193,8 +193,11 @@ impl KvGeometry {
         }
     }
 
+    /// Saturating: a buffer that large is refused when registered, never wrapped.
     pub fn buffer_bytes(&self) -> u64 {
-        u64::from(self.num_layers) * 2 * u64::from(self.capacity) * self.block_bytes
+        (u64::from(self.num_layers) * 2)
+            .saturating_mul(u64::from(self.capacity))
+            .saturating_mul(self.block_bytes)
     }
 
     /// Byte offset of `block` of layer `layer`, K (`v == false`) or V.

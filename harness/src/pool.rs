@@ -17,8 +17,9 @@ use crate::error::{HarnessError, Result};
 /// Ranges are aligned so tensors start on cache lines and pages.
 pub const RANGE_ALIGN: u64 = 4096;
 
+/// `n` rounded up to [`RANGE_ALIGN`] (saturating: a size that large is refused when registered).
 pub fn align_up(n: u64) -> u64 {
-    n.div_ceil(RANGE_ALIGN).max(1) * RANGE_ALIGN
+    n.div_ceil(RANGE_ALIGN).max(1).saturating_mul(RANGE_ALIGN)
 }
 
 /// First-fit allocator of disjoint ranges in `0..capacity`.

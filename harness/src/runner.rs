@@ -183,6 +183,7 @@ impl Runner {
         let requests = self.scenario.expand()?;
         let plans: Vec<&RequestPlan> = requests.iter().map(|r| &*r.plan).collect();
         let faults = self.scenario.compile_faults(&requests)?;
+        self.scenario.check_memory(&plans, &self.scenario.name)?;
         if self.scenario.kill_stage.is_some() && self.processes.is_none() {
             return Err(HarnessError::Setup(
                 "kill_stage needs --processes: it kills a stage's OS process".into(),

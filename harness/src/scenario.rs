@@ -520,6 +520,8 @@ impl Scenario {
     /// Pools for `concurrency` of the largest requests, plus one more of room
     /// for fragmentation (paged KV needs none).
     pub fn pool_sizes(&self, plans: &[&RequestPlan]) -> PoolSizes {
+        // Saturating throughout: sizes from huge token counts end at u64::MAX and are refused
+        // by the memory check, never wrapped into something small.
         let max = |kind: PayloadKind| {
             plans
                 .iter()
@@ -528,7 +530,7 @@ impl Scenario {
                     h.tensors
                         .iter()
                         .map(|t| align_up(t.byte_length))
-                        .sum::<u64>()
+                        .fold(0u64, u64::saturating_add)
                 })
                 .max()
                 .unwrap_or(0)
@@ -545,11 +547,53 @@ impl Scenario {
             .max()
             .unwrap_or(1);
         PoolSizes {
-            ec_bytes: (c + 1) * max(PayloadKind::EncoderEmbeddings).max(4096),
-            kv_blocks: u32::try_from(c * kv_blocks).unwrap_or(u32::MAX - 1),
-            t2t_bytes: (c + 1) * max(PayloadKind::ThinkerToTalker).max(4096),
-            codes_bytes: (c + 1) * max(PayloadKind::TalkerToCode2wav).max(4096),
+            ec_bytes: (c + 1).saturating_mul(max(PayloadKind::EncoderEmbeddings).max(4096)),
+            kv_blocks: u32::try_from(c.saturating_mul(kv_blocks)).unwrap_or(u32::MAX - 1),
+            t2t_bytes: (c + 1).saturating_mul(max(PayloadKind::ThinkerToTalker).max(4096)),
+            codes_bytes: (c + 1).saturating_mul(max(PayloadKind::TalkerToCode2wav).max(4096)),
         }
+    }
+
+    /// Bytes the five stages register for `sizes`, together (each pool on both ends of its
+    /// hop, KV on both sides); saturating.
+    pub fn registered_bytes(&self, sizes: PoolSizes) -> u64 {
+        let card = ModelCard::qwen3_omni();
+        let t = &card.thinker;
+        let per_block = (self.block_tokens * u64::from(t.num_kv_heads))
+            .saturating_mul(t.head_dim)
+            .saturating_mul(t.kv_dtype.size_bytes() as u64)
+            .saturating_mul(2 * u64::from(t.num_layers));
+        let kv = per_block.saturating_mul(2 * u64::from(sizes.kv_blocks) + 1);
+        [sizes.ec_bytes, sizes.t2t_bytes, sizes.codes_bytes]
+            .into_iter()
+            .map(|b| align_up(b).saturating_mul(2))
+            .fold(kv, u64::saturating_add)
+    }
+
+    /// Refuses a run whose pools cannot fit in the memory this machine has available
+    /// (`MemAvailable`), naming what asks for it, before anything is registered.
+    pub fn check_memory(&self, plans: &[&RequestPlan], source: &str) -> Result<()> {
+        let need = self.registered_bytes(self.pool_sizes(plans));
+        let Some(avail) = omnirig_transports::memory::mem_available() else {
+            return Ok(());
+        };
+        if need > avail {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            let largest = plans.iter().map(|p| p.total_bytes()).max().unwrap_or(0);
+            return Err(bad(
+                source,
+                format!(
+                    "the stages' pools need {:.1} GiB ({} requests in flight, the largest moving {:.1} GiB), \
+                     more than the {:.1} GiB this machine has available (MemAvailable); \
+                     lower concurrency or the requests' token counts",
+                    gib(need),
+                    self.concurrency.min(plans.len().max(1)),
+                    gib(largest),
+                    gib(avail)
+                ),
+            ));
+        }
+        Ok(())
     }
 
     pub fn stage_config(&self, stage: Stage, sizes: PoolSizes) -> StageConfig {

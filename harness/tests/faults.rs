@@ -467,3 +467,27 @@ async fn a_tiny_hop_deadline_leaves_nothing_behind(#[values("loopback", "tcp")] 
         }
     }
 }
+
+/// Issue 10: a modelled compute far beyond the request timeout used to keep the run alive
+/// after every downstream stage had given up. Nobody would wait for it: it fails at once,
+/// naming the stage, and the stages after it are told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compute_past_the_request_timeout_fails_at_once() {
+    let mut s = Scenario::golden("text_short", "loopback");
+    s.request_timeout_s = 2.0;
+    s.compute.thinker_prefill.per_item_us = 1_000_000_000_000;
+    let t = std::time::Instant::now();
+    let r = run(s).await;
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    let q = &r.requests[0];
+    let e = q.error.as_deref().unwrap();
+    assert!(
+        e.contains("thinker_prefill") && e.contains("modelled compute"),
+        "{e}"
+    );
+    assert_eq!(q.failure.as_ref().unwrap().kind, "timed_out", "{e}");
+}

@@ -46,6 +46,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.transport.is_some() || args.concurrency.is_some() {
         scenario.validate(&format!("{source} with the command line's overrides"))?;
     }
+    {
+        let requests = scenario.expand()?;
+        let plans: Vec<_> = requests.iter().map(|r| &*r.plan).collect();
+        scenario.check_memory(&plans, &source)?;
+    }
     // Before the run, not after it: a report that cannot be written fails now.
     if let Some(dir) = &args.report {
         check_report_dir(dir)?;

@@ -68,6 +68,33 @@ impl std::fmt::Debug for Region {
     }
 }
 
+/// Bytes the kernel says can be allocated without swapping (`MemAvailable` in
+/// /proc/meminfo); `None` where that is not known.
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuses a registration larger than the memory this machine has available now: the
+/// harness touches every page it registers and shared regions are populated up front, so
+/// a size taken from input (a benchmark's `--sizes`, a scenario's token counts) would
+/// otherwise grow the process until the kernel kills it.
+fn check_available(len: usize) -> Result<()> {
+    match mem_available() {
+        Some(avail) if len as u64 > avail => Err(Error::new(
+            ErrorKind::Resource,
+            format!(
+                "registering {len} bytes ({:.1} GiB): only {avail} bytes ({:.1} GiB) are available (MemAvailable)",
+                len as f64 / (1u64 << 30) as f64,
+                avail as f64 / (1u64 << 30) as f64
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 impl Region {
     /// Allocates `len` zeroed bytes, page-aligned. With `lock`, the pages are also locked in
     /// RAM (mlock) where the process is allowed to; failure to lock is not an error, since
@@ -82,6 +109,7 @@ impl Region {
         let size = len.checked_next_multiple_of(PAGE_SIZE).ok_or_else(|| {
             Error::new(ErrorKind::InvalidLength, format!("{len} bytes overflows"))
         })?;
+        check_available(size)?;
         let mut region = if size >= HUGE_PAGE_SIZE {
             Self::map_huge(len, size)?
         } else {
@@ -310,6 +338,7 @@ impl Region {
         let size = len.checked_next_multiple_of(PAGE_SIZE).ok_or_else(|| {
             Error::new(ErrorKind::InvalidLength, format!("{len} bytes overflows"))
         })?;
+        check_available(size)?;
         // SAFETY: the name is a NUL-terminated literal; memfd_create creates a new file.
         let raw = unsafe {
             libc::memfd_create(

@@ -570,3 +570,22 @@ async fn shm_shares_again_what_the_owner_unmapped() {
     assert_idle(a).await;
     assert_idle(b).await;
 }
+
+/// Issue 10: a registration larger than the machine's available memory is refused with an
+/// error saying so, on every kind of memory (an shm engine's memfds used to be populated
+/// page by page until the kernel killed the process).
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registering_more_than_the_machine_has_is_refused(#[values(false, true)] shm: bool) {
+    let mut cfg = EngineConfig::new(unique("big")).store(InProcessStore::new());
+    if shm {
+        cfg = cfg.shm_config(omnirig_transports::ShmConfig::default());
+    }
+    let e = Engine::new(cfg).await.unwrap();
+    let t = Instant::now();
+    let err = e.allocate(1000 << 30).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Resource, "{err}");
+    assert!(err.to_string().contains("MemAvailable"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(e.allocate(1 << 20).is_ok());
+}
