@@ -37,10 +37,11 @@ fn assert_late_bytes_refused(r: &Report) {
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn early_completion_among_identical_requests_is_caught(
-    #[values(3, 5, 9)] victim: usize,
+    #[values("loopback", "tcp", "shm")] transport: &str,
+    #[values(5, 9)] victim: usize,
     #[values(FaultPoint::AfterBytes(4096), FaultPoint::AtCompletion)] at: FaultPoint,
 ) {
-    let mut s = Scenario::golden("text_short", "loopback");
+    let mut s = Scenario::golden("text_short", transport);
     s.concurrency = 10;
     s.requests[0].repeat = 10;
     s.hop_timeout_s = HOP_TIMEOUT_S;
