@@ -183,7 +183,7 @@ fn a_stopped_stage_process_ends_the_run_in_bounded_time() {
     )
     .unwrap();
     let t = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_omnirig"))
+    let child = Command::new(env!("CARGO_BIN_EXE_omnirig"))
         .args(["run", "--processes", "--quiet"])
         .arg(&f)
         .stdout(std::process::Stdio::piped())
