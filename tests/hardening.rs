@@ -265,3 +265,20 @@ fn sizes_beyond_the_machine_are_refused_up_front() {
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A stage process needs the run's secret from its orchestrator; without it, it says so.
+#[test]
+fn a_stage_without_the_run_secret_refuses_to_start() {
+    let o = Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args([
+            "stage",
+            "--stage",
+            "talker",
+            "--orchestrator",
+            "127.0.0.1:9",
+        ])
+        .env_remove("OMNIRIG_RUN_SECRET")
+        .output()
+        .unwrap();
+    refused(&o, &["OMNIRIG_RUN_SECRET"]);
+}

@@ -400,6 +400,11 @@ pub async fn run_stage_process(
     in_transport: &'static str,
     out_transport: &'static str,
 ) -> Result<()> {
+    let secret = std::env::var(RUN_SECRET_ENV).map_err(|_| {
+        setup(format!(
+            "{RUN_SECRET_ENV} is not set: stage processes are started by `omnirig run --processes`"
+        ))
+    })?;
     let store = InProcessStore::new();
     let engine = |side: &str, transport: &'static str| {
         let c = EngineConfig::new(format!("p{}-{stage}-{side}", std::process::id()))
@@ -419,11 +424,6 @@ pub async fn run_stage_process(
         Some(_) => Some(Arc::new(Engine::new(engine("out", out_transport)).await?)),
         None => None,
     };
-    let secret = std::env::var(RUN_SECRET_ENV).map_err(|_| {
-        setup(format!(
-            "{RUN_SECRET_ENV} is not set: stage processes are started by `omnirig run --processes`"
-        ))
-    })?;
     let control = TcpListener::bind("127.0.0.1:0").await?;
     let control_addr = control.local_addr()?;
     let mut gate = Gate::new(control, secret.clone());

@@ -42,8 +42,11 @@ macro_rules! both {
         let name: String = $name.to_string();
         let png = $out.join(format!("{name}.png"));
         let svg = $out.join(format!("{name}.svg"));
+        // Drawn under temporary names (the extension picks the format), renamed when whole.
+        let png_tmp = $out.join(format!(".{name}.tmp-{}.png", std::process::id()));
+        let svg_tmp = $out.join(format!(".{name}.tmp-{}.svg", std::process::id()));
         {
-            let root = BitMapBackend::new(&png, (W, H)).into_drawing_area();
+            let root = BitMapBackend::new(&png_tmp, (W, H)).into_drawing_area();
             root.fill(&WHITE).map_err(err)?;
             {
                 let $a = &root;
@@ -52,13 +55,16 @@ macro_rules! both {
             root.present().map_err(err)?;
         }
         {
-            let root = SVGBackend::new(&svg, (W, H)).into_drawing_area();
+            let root = SVGBackend::new(&svg_tmp, (W, H)).into_drawing_area();
             root.fill(&WHITE).map_err(err)?;
             {
                 let $a = &root;
                 $body?;
             }
             root.present().map_err(err)?;
+        }
+        for (tmp, path) in [(&png_tmp, &png), (&svg_tmp, &svg)] {
+            std::fs::rename(tmp, path).with_context(|| format!("writing {}", path.display()))?;
         }
         vec![png, svg]
     }};
