@@ -13,6 +13,17 @@ use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 
 /// Parses "4K,64K,1M,16M" (binary multiples; a bare number is bytes).
+/// One latency the Python baseline reported (`lat_us[]`): a number of microseconds in
+/// 0..=1 h, or an error saying what came instead (it crosses a process boundary; a negative
+/// or huge value used to panic in the Duration conversion, a non-number became 0).
+pub fn baseline_latency(x: &serde_json::Value) -> anyhow::Result<std::time::Duration> {
+    let us = x
+        .as_f64()
+        .filter(|us| us.is_finite() && (0.0..=3.6e9).contains(us))
+        .with_context(|| format!("the baseline reported latency {x} us (expected 0..=3.6e9)"))?;
+    Ok(std::time::Duration::from_secs_f64(us / 1e6))
+}
+
 pub fn parse_sizes(s: &str) -> anyhow::Result<Vec<u64>> {
     s.split(',')
         .map(|part| {
@@ -282,6 +293,20 @@ pub fn iterations(size: u64, budget_bytes: u64, min: usize, max: usize) -> usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 10: a negative or huge latency from the baseline process panicked.
+    #[test]
+    fn baseline_latencies_are_checked() {
+        use serde_json::json;
+        assert_eq!(
+            baseline_latency(&json!(1500.0)).unwrap(),
+            Duration::from_micros(1500)
+        );
+        for bad in [json!(-1.0), json!(1e300), json!("12"), json!(null)] {
+            let e = baseline_latency(&bad).unwrap_err().to_string();
+            assert!(e.contains("baseline reported latency"), "{e}");
+        }
+    }
 
     #[test]
     fn sizes_parse_with_suffixes_and_refuse_nonsense() {

@@ -17,7 +17,7 @@
 //! its bytes against the fixtures' digests (both sides).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail};
 use omnirig_fixtures::{PayloadKind, RequestSpec, TensorSpec};
@@ -186,7 +186,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             }))?;
             let mut base = Samples::new(mean_bytes);
             for x in v["lat_us"].as_array().context("lat_us")? {
-                base.push(Duration::from_secs_f64(x.as_f64().unwrap_or(0.0) / 1e6));
+                base.push(super::baseline_latency(x)?);
             }
             let wall = v["wall_s"].as_f64().unwrap_or(f64::NAN);
             let mut row = Row::new("request", mean_bytes, &ours, mode, &base);
