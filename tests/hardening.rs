@@ -282,3 +282,22 @@ fn a_stage_without_the_run_secret_refuses_to_start() {
         .unwrap();
     refused(&o, &["OMNIRIG_RUN_SECRET"]);
 }
+
+/// Export generates each tensor whole: a card that makes one larger than the machine has is
+/// refused with the tensor named, not left to the OOM killer.
+#[test]
+fn an_export_larger_than_the_machine_is_refused() {
+    let d = dir("export");
+    let card = d.join("card.yaml");
+    let yaml = include_str!("../fixtures/cards/qwen3-omni-30b-a3b.yaml")
+        .replace("num_kv_heads: 4", "num_kv_heads: 65536")
+        .replace("num_attention_heads: 32", "num_attention_heads: 65536")
+        .replace("head_dim: 128", "head_dim: 65536");
+    std::fs::write(&card, yaml).unwrap();
+    let o = omnirig(
+        &["fixtures", "export", "--case", "text_short", "--out"],
+        &[&d.join("out"), Path::new("--card"), &card],
+    );
+    refused(&o, &["kv.layer.", "MemAvailable"]);
+    let _ = std::fs::remove_dir_all(&d);
+}

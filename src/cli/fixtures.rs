@@ -278,6 +278,24 @@ fn render_plan(card: &ModelCard, title: &str, plan: &RequestPlan) -> String {
 fn export(args: ExportArgs) -> anyhow::Result<()> {
     let (card, options) = args.model.load()?;
     let case = golden_case(&args.case)?;
+    // Each tensor is generated whole in memory before it is written: a card that makes one
+    // larger than the machine has is refused here, not by the kernel's OOM killer.
+    let plan = plan_request(&card, &case.request, &options)?;
+    let largest = plan
+        .hops
+        .iter()
+        .flat_map(|h| &h.tensors)
+        .max_by_key(|t| t.byte_length);
+    if let (Some(t), Some(avail)) = (largest, omnirig_transports::memory::mem_available())
+        && t.byte_length > avail
+    {
+        bail!(
+            "case {}: tensor {} is {} bytes, more than the {avail} bytes this machine has available (MemAvailable)",
+            case.name,
+            t.name,
+            t.byte_length
+        );
+    }
     let written = export_case(&card, &case, &options, &args.out)
         .with_context(|| format!("exporting case {} to {}", case.name, args.out.display()))?;
     for hop in written {
