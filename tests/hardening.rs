@@ -167,8 +167,9 @@ fn cmdline(pid: u32) -> String {
 }
 
 /// Issue 10: a stage process that stops (SIGSTOP) used to keep the run alive for 24 hours.
-/// Now the run ends within a deadline derived from the scenario's timeouts, names the stage,
-/// and starts no new request once it is lost.
+/// Now it is seen stopped and killed, the run ends promptly naming the stage, and no new
+/// request starts once it is lost. (A stage hung while running is bounded by the per-request
+/// deadline: request timeout + 8 hop timeouts + compute + 5 s.)
 #[test]
 fn a_stopped_stage_process_ends_the_run_in_bounded_time() {
     let d = dir("sigstop");
@@ -219,12 +220,13 @@ fn a_stopped_stage_process_ends_the_run_in_bounded_time() {
         .status();
     let t = text(&out);
     assert_eq!(out.status.code(), Some(1), "{t}");
+    // Seen stopped within a second (the watchdog) and killed: its peers' waits end at once.
     assert!(
-        took < Duration::from_secs(30),
+        took < Duration::from_secs(15),
         "ended {took:?} after the stop: {t}"
     );
     assert!(t.contains("thinker_decode"), "{t}");
-    assert!(t.contains("stopped or hung"), "{t}");
+    assert!(t.contains("stopped (SIGSTOP)"), "{t}");
     assert!(
         t.contains("not started: stage thinker_decode is gone"),
         "{t}"

@@ -133,7 +133,67 @@ pub struct Remote {
     children: Arc<tokio::sync::Mutex<Vec<Child>>>,
     scenario: Scenario,
     /// Set once a stage process died or stopped answering: no new request starts.
-    halted: std::sync::Mutex<Option<(Stage, String)>>,
+    halted: Arc<std::sync::Mutex<Option<(Stage, String)>>>,
+    watchdog: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        self.watchdog.abort();
+    }
+}
+
+/// Whether process `pid` is stopped (state `T`: SIGSTOP, SIGTSTP), from /proc.
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let (_, rest) = s.rsplit_once(')')?;
+            rest.split_whitespace().next().map(|st| st == "T")
+        })
+        .unwrap_or(false)
+}
+
+/// How long a stage process may stay stopped before the run gives up on it.
+const STOPPED_FOR: Duration = Duration::from_secs(1);
+
+/// Watches the stage processes: one that stays stopped (SIGSTOP) for [`STOPPED_FOR`] can
+/// answer nothing, so it is recorded as lost and killed at once, which closes its sockets and
+/// ends every wait on it (its peers', the orchestrator's) now rather than at their deadlines.
+/// Hangs of a running process are caught by the per-request deadline instead.
+fn watchdog(
+    children: Arc<tokio::sync::Mutex<Vec<Child>>>,
+    halted: Arc<std::sync::Mutex<Option<(Stage, String)>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut since: Vec<Option<std::time::Instant>> = vec![None; Stage::ALL.len()];
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let mut children = children.lock().await;
+            for (i, c) in children.iter_mut().enumerate() {
+                let stopped = c.id().is_some_and(is_stopped);
+                since[i] = if stopped {
+                    since[i].or(Some(std::time::Instant::now()))
+                } else {
+                    None
+                };
+                if since[i].is_some_and(|t| t.elapsed() >= STOPPED_FOR) {
+                    let stage = Stage::ALL[i];
+                    let why = format!(
+                        "its process was stopped (SIGSTOP) for {STOPPED_FOR:?}; stopped or hung stages are killed"
+                    );
+                    tracing::warn!(%stage, "stage process stopped: killing it");
+                    let mut h = halted.lock().unwrap_or_else(|p| p.into_inner());
+                    if h.is_none() {
+                        *h = Some((stage, why));
+                    }
+                    drop(h);
+                    let _ = c.start_kill();
+                    since[i] = None;
+                }
+            }
+        }
+    })
 }
 
 impl Remote {
@@ -228,11 +288,14 @@ impl Remote {
                 let _ = children.lock().await[i].start_kill();
             });
         }
+        let halted = Arc::new(std::sync::Mutex::new(None));
+        let watchdog = watchdog(children.clone(), halted.clone());
         Ok(Remote {
             links,
             children,
             scenario: scenario.clone(),
-            halted: std::sync::Mutex::new(None),
+            watchdog,
+            halted,
         })
     }
 
@@ -324,6 +387,7 @@ impl Remote {
 
     /// Drains and stops every stage process; returns their usage.
     pub async fn shutdown(&self) -> Vec<StageUsage> {
+        self.watchdog.abort();
         // A stage that stopped answering is killed first: its peers' waits on it end at once
         // (its sockets close) instead of running out their timeouts, and so does ours.
         let lost = self
