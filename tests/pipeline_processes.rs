@@ -19,10 +19,13 @@ fn out_dir(name: &str) -> PathBuf {
 async fn every_golden_case_in_one_process_loopback() {
     use omnirig_harness::{Runner, Scenario};
     for case in omnirig_fixtures::golden_cases() {
-        let r = Runner::new(Scenario::golden(&case.name, "loopback"))
-            .run()
-            .await
-            .unwrap();
+        let r = Runner::new(Scenario::golden(
+            &case.name,
+            omnirig_transports::TransportKind::Loopback,
+        ))
+        .run()
+        .await
+        .unwrap();
         assert!(r.passed(), "{}: {}", case.name, r.summary_text());
         for q in &r.requests {
             assert!(q.ok, "{}: {:?}", q.id, q.error);

@@ -569,6 +569,7 @@ mod tests {
             epoch: 1,
             token: 2,
             access: Access::Write,
+            keys: Vec::new(),
         }
     }
 

@@ -372,6 +372,7 @@ mod tests {
             epoch: 1,
             token: 1,
             access: Access::Write,
+            keys: Vec::new(),
         };
         let res = KvReservation {
             first_block: 0,
@@ -445,6 +446,7 @@ mod tests {
                     epoch: 1,
                     token: 1,
                     access: Access::Write,
+                    keys: Vec::new(),
                 },
             }],
         };

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
-use omnirig_transports::{Engine, EngineConfig, InProcessStore, ShmConfig, TransportPolicy};
+use omnirig_transports::{Engine, EngineConfig, InProcessStore, TransportKind};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
 
@@ -51,11 +51,12 @@ impl Remote {
         let addr = listener.local_addr()?;
         let mut children = Vec::new();
         for stage in Stage::ALL {
-            let hop_transport = |k: Option<PayloadKind>| -> Result<&'static str> {
-                Ok(match k {
-                    Some(k) => process_transport(scenario.transport_for(k)?),
-                    None => "tcp",
+            // A stage without that hop still takes the flag; its engine is never built.
+            let hop_transport = |k: Option<PayloadKind>| {
+                k.map_or(TransportKind::Tcp, |k| {
+                    process_transport(scenario.transport_for(k))
                 })
+                .as_str()
             };
             let child = Command::new(exe)
                 .arg("stage")
@@ -64,9 +65,9 @@ impl Remote {
                 .arg("--orchestrator")
                 .arg(addr.to_string())
                 .arg("--in-transport")
-                .arg(hop_transport(inbound_kind(stage))?)
+                .arg(hop_transport(inbound_kind(stage)))
                 .arg("--out-transport")
-                .arg(hop_transport(outbound_kind(stage))?)
+                .arg(hop_transport(outbound_kind(stage)))
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .kill_on_drop(true)
@@ -212,31 +213,34 @@ fn addr_of(e: &Engine) -> Option<String> {
 
 /// The transport a hop uses when its stages are processes: loopback cannot cross a process,
 /// so it becomes tcp; tcp and shm stay.
-pub fn process_transport(scenario_transport: &'static str) -> &'static str {
-    match scenario_transport {
-        "loopback" => "tcp",
-        t => t,
+pub fn process_transport(scenario_transport: TransportKind) -> TransportKind {
+    if scenario_transport.crosses_processes() {
+        scenario_transport
+    } else {
+        TransportKind::Tcp
     }
 }
 
 /// The body of `omnirig stage`: one stage as its own process. `in_transport` and
-/// `out_transport` ("tcp" or "shm") are its inbound and outbound hops' transports.
+/// `out_transport` are its inbound and outbound hops' transports (kinds that cross processes).
 pub async fn run_stage_process(
     stage: Stage,
     orchestrator: SocketAddr,
-    in_transport: &'static str,
-    out_transport: &'static str,
+    in_transport: TransportKind,
+    out_transport: TransportKind,
 ) -> Result<()> {
-    let store = InProcessStore::new();
-    let engine = |side: &str, transport: &'static str| {
-        let c = EngineConfig::new(format!("p{}-{stage}-{side}", std::process::id()))
-            .store(store.clone())
-            .policy(TransportPolicy::Only(transport));
-        if transport == "shm" {
-            c.shm_config(ShmConfig::default())
-        } else {
-            c
+    for t in [in_transport, out_transport] {
+        if !t.crosses_processes() {
+            return Err(setup(format!(
+                "transport {t} cannot cross processes (use one of {})",
+                TransportKind::process_names()
+            )));
         }
+    }
+    let store = InProcessStore::new();
+    let engine = |side: &str, transport: TransportKind| {
+        EngineConfig::for_kind(format!("p{}-{stage}-{side}", std::process::id()), transport)
+            .store(store.clone())
     };
     let engine_in = match inbound_kind(stage) {
         Some(_) => Some(Arc::new(Engine::new(engine("in", in_transport)).await?)),

@@ -13,7 +13,7 @@ use omnirig_harness::{Scenario, StageWorker};
 use omnirig_transports::transport::BoxFuture;
 use omnirig_transports::{
     Access, Engine, EngineConfig, InProcessStore, Request, Result as TeResult, SegmentDescriptor,
-    SliceOp, Slicing, Transport, TransportPolicy,
+    SliceOp, Slicing, Transport, TransportKind,
 };
 
 const T: Duration = Duration::from_secs(20);
@@ -24,8 +24,8 @@ struct Slow(Arc<dyn Transport>);
 struct SlowLink(Arc<dyn omnirig_transports::Link>);
 
 impl Transport for Slow {
-    fn name(&self) -> &'static str {
-        self.0.name()
+    fn kind(&self) -> TransportKind {
+        self.0.kind()
     }
     fn reaches(&self, peer: &SegmentDescriptor) -> bool {
         self.0.reaches(peer)
@@ -70,10 +70,8 @@ struct Rig {
 async fn rig(slow_out: bool) -> Rig {
     let store = InProcessStore::new();
     let cfg = |name: &str| {
-        EngineConfig::new(format!("{name}-{slow_out}"))
+        EngineConfig::for_kind(format!("{name}-{slow_out}"), TransportKind::Loopback)
             .store(store.clone())
-            .policy(TransportPolicy::Only("loopback"))
-            .tcp_listen(None)
     };
     let mut out_cfg = cfg("talker-out");
     if slow_out {
@@ -81,7 +79,7 @@ async fn rig(slow_out: bool) -> Rig {
     }
     let (up_link, talker_in) = Link::pair("thinker_to_talker");
     let (talker_out, down_link) = Link::pair("talker_to_code2wav");
-    let scenario = Scenario::golden("image_audio", "loopback");
+    let scenario = Scenario::golden("image_audio", TransportKind::Loopback);
     let req = scenario.expand().unwrap().remove(0);
     let sizes = scenario.pool_sizes(&[&req.plan]);
     let worker = StageWorker::new(
@@ -227,8 +225,8 @@ struct FailV(Arc<dyn Transport>);
 struct FailVLink(Arc<dyn omnirig_transports::Link>);
 
 impl Transport for FailV {
-    fn name(&self) -> &'static str {
-        self.0.name()
+    fn kind(&self) -> TransportKind {
+        self.0.kind()
     }
     fn reaches(&self, peer: &SegmentDescriptor) -> bool {
         self.0.reaches(peer)
@@ -269,7 +267,7 @@ impl omnirig_transports::Link for FailVLink {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_error_names_the_failed_blocks_and_releases_loopback() {
     // text_short: 48 tokens = 3 blocks, so prefill's KV cache holds 3 blocks per tensor.
-    let s = Scenario::golden("text_short", "loopback");
+    let s = Scenario::golden("text_short", TransportKind::Loopback);
     let r = omnirig_harness::Runner::new(s)
         .decorate(
             PayloadKind::KvCache,

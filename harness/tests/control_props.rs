@@ -108,6 +108,7 @@ fn grant(segment: &str, len: u64) -> Grant {
         epoch: 7,
         token: 0x5eed_f00d_dead_beef,
         access: Access::Write,
+        keys: Vec::new(),
     }
 }
 

@@ -32,7 +32,7 @@ fn small(seed: u64) -> RequestSpec {
 /// The faulty request (image_audio: it crosses all four hops) and two healthy ones with
 /// content of their own, so no cache is shared with the faulty one.
 fn scenario(transport: &str, faults: Vec<FaultSpec>) -> Scenario {
-    let mut s = Scenario::golden("image_audio", transport);
+    let mut s = Scenario::golden("image_audio", transport.parse().unwrap());
     s.name = "faults".into();
     s.concurrency = 3;
     s.hop_timeout_s = HOP_TIMEOUT_S;

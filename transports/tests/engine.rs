@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use omnirig_transports::{
-    Access, Engine, EngineConfig, ErrorKind, InProcessStore, Request, TaskState, TransportPolicy,
+    Access, Engine, EngineConfig, ErrorKind, InProcessStore, Request, TaskState, TransportKind,
+    TransportPolicy,
 };
 use rstest::rstest;
 
@@ -510,7 +511,7 @@ async fn peers_find_each_other_by_handshake_without_a_store() {
     let a = Engine::new(
         EngineConfig::new(unique("a"))
             .store(InProcessStore::new())
-            .policy(TransportPolicy::Only("tcp")),
+            .policy(TransportPolicy::Only(TransportKind::Tcp)),
     )
     .await
     .unwrap();
@@ -528,7 +529,7 @@ async fn peers_find_each_other_by_handshake_without_a_store() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::UnknownSegment);
     let info = a.connect_addr(b.tcp_addr().unwrap()).await.unwrap();
-    assert_eq!(info.transport, "tcp");
+    assert_eq!(info.transport, TransportKind::Tcp);
     a.transfer(vec![Request::write(&src, 0, &g, 0, 1 << 20)], T)
         .await
         .unwrap();

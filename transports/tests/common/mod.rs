@@ -8,12 +8,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use omnirig_transports::{
-    Engine, EngineConfig, InProcessStore, Link, LinkInfo, Result, SegmentDescriptor, ShmConfig,
-    SliceOp, Slicing, TcpConfig, Transport, TransportPolicy, Usage, transport::BoxFuture,
+    Engine, EngineConfig, InProcessStore, Link, LinkInfo, LoopbackConfig, Result,
+    SegmentDescriptor, ShmConfig, SliceOp, Slicing, TcpConfig, Transport, TransportKind, Usage,
+    transport::BoxFuture,
 };
 use tokio::sync::{Notify, watch};
-
-pub const TRANSPORTS: [&str; 2] = ["loopback", "tcp"];
 
 /// A unique engine name per test, so tests sharing a process never collide.
 pub fn unique(prefix: &str) -> String {
@@ -25,23 +24,28 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-/// Small slices so that multi-slice behaviour shows at test sizes.
-pub fn config(name: &str, transport: &'static str, store: &Arc<InProcessStore>) -> EngineConfig {
-    let mut c = EngineConfig::new(name)
-        .store(store.clone())
-        .policy(TransportPolicy::Only(transport));
-    c.tcp = TcpConfig {
-        slice_size: 1 << 20,
-        streams: 2,
-        ..TcpConfig::default()
-    };
-    c.loopback_slice = 1 << 20;
-    if transport == "shm" {
-        c = c.shm_config(ShmConfig {
-            slice_size: 1 << 20,
-            streams: 2,
-            ..ShmConfig::default()
-        });
+/// Small slices so that multi-slice behaviour shows at test sizes. `transport` is a kind's
+/// name (tests name their cases by it).
+pub fn config(name: &str, transport: &str, store: &Arc<InProcessStore>) -> EngineConfig {
+    let kind: TransportKind = transport.parse().unwrap();
+    let mut c = EngineConfig::for_kind(name, kind).store(store.clone());
+    // Override only what this engine runs, so each engine stays exactly what for_kind builds.
+    for t in c.transports.clone() {
+        c = match t.kind() {
+            TransportKind::Loopback => c.with(LoopbackConfig {
+                slice_size: 1 << 20,
+            }),
+            TransportKind::Tcp => c.with(TcpConfig {
+                slice_size: 1 << 20,
+                streams: 2,
+                ..TcpConfig::default()
+            }),
+            TransportKind::Shm => c.with(ShmConfig {
+                slice_size: 1 << 20,
+                streams: 2,
+                ..ShmConfig::default()
+            }),
+        };
     }
     c
 }
@@ -170,8 +174,8 @@ struct Gated {
 }
 
 impl Transport for Gated {
-    fn name(&self) -> &'static str {
-        self.inner.name()
+    fn kind(&self) -> TransportKind {
+        self.inner.kind()
     }
     fn reaches(&self, peer: &SegmentDescriptor) -> bool {
         self.inner.reaches(peer)
