@@ -184,7 +184,9 @@ pub trait Transport: Send + Sync + 'static {
     /// A grant was revoked (explicitly, by expiry, or at shutdown). Blocking: returns only
     /// once this transport can no longer let the grant be used (RDMA: its memory window or
     /// key is invalidated). Called after the engine's own fence, so no engine-side access
-    /// under the grant is running. Must not wait on the async runtime.
+    /// under the grant is running. Must not wait on the async runtime. Also called for a
+    /// grant another transport refused in [`on_grant`](Self::on_grant), which this one may
+    /// never have seen: ignore epochs you hold nothing for.
     fn on_revoke(&self, _grant: &GrantRef) {}
 
     /// Asks the engine at `addr` for its descriptor, if this transport can (tcp can).
