@@ -168,6 +168,7 @@ impl Remote {
                     stage: stage.as_str().into(),
                     participated: true,
                     error: Some(format!("{stage} process: {e}")),
+                    failure: Some(crate::report::Failure::of(&e)),
                     ..Default::default()
                 },
             }

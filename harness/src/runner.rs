@@ -320,7 +320,11 @@ pub fn request_result(r: &PlannedRequest, stages: Vec<StageOutcome>, e2e_ms: f64
         id: r.id.clone(),
         label: r.label.clone(),
         ok: error.is_none(),
-        failure: error.as_deref().map(Failure::of),
+        // The first failing stage in pipeline order, as that stage classified it.
+        failure: stages
+            .iter()
+            .find(|s| s.error.is_some())
+            .map(|s| s.failure.clone().unwrap_or_else(Failure::unclassified)),
         error,
         errors,
         e2e_ms,

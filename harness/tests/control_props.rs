@@ -188,6 +188,7 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
         Msg::Refuse {
             request: r(),
             cause: "no room in pool kv (need 4 blocks)".into(),
+            kind: Default::default(),
         },
         Msg::Finish {
             request: r(),
@@ -204,6 +205,8 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
             request: r(),
             failed: vec!["kv.layer0.k".into(), "kv.layer0.v".into()],
             cause: "peer closed".into(),
+            kind: Default::default(),
+            peer: None,
         },
         Msg::Hello {
             stage: "talker".into(),
@@ -247,6 +250,12 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
                 stage: "talker".into(),
                 participated: true,
                 error: Some("late".into()),
+                failure: Some(omnirig_harness::report::Failure {
+                    hop: Some("thinker_to_talker".into()),
+                    tensor: Some("embed.tts_eos".into()),
+                    peer: Some("talker".into()),
+                    kind: omnirig_harness::error::FailureKind::TimedOut,
+                }),
                 received: Some(Received {
                     hop: "thinker_to_talker".into(),
                     tensors: 5,

@@ -237,6 +237,7 @@ pub fn retire(link: &Link, rid: &str) -> anyhow::Result<()> {
     link.send(Msg::Refuse {
         request: rid.into(),
         cause: "done".into(),
+        kind: Default::default(),
     })?;
     link.forget(rid);
     Ok(())
@@ -707,6 +708,8 @@ async fn consume(
                 request: rid.into(),
                 failed: vec![],
                 cause,
+                kind: Default::default(),
+                peer: None,
             })?,
         }
     }
