@@ -13,17 +13,8 @@ pub type Result<T, E = HarnessError> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum HarnessError {
     /// A handoff between two stages failed (transfer, verification, refusal, timeout).
-    #[error("hop {hop}, request {request}{}: {cause}", tensor.as_ref().map(|t| format!(", tensor {t}")).unwrap_or_default())]
-    Handoff {
-        hop: String,
-        request: String,
-        tensor: Option<String>,
-        cause: String,
-        /// What kind of failure the cause was.
-        kind: FailureKind,
-        /// The engine peer the failing transfer talked to, when the engine named one.
-        peer: Option<String>,
-    },
+    #[error("{0}")]
+    Handoff(Box<Handoff>),
     /// A scenario did not parse or is inconsistent.
     #[error("scenario {source_name}: {reason}")]
     Scenario { source_name: String, reason: String },
@@ -44,6 +35,29 @@ pub enum HarnessError {
     Stub(#[from] StubError),
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// A failed handoff: which hop, request and tensor, the cause, and what kind of failure it was.
+#[derive(Debug)]
+pub struct Handoff {
+    pub hop: String,
+    pub request: String,
+    pub tensor: Option<String>,
+    pub cause: String,
+    /// What kind of failure the cause was.
+    pub kind: FailureKind,
+    /// The engine peer the failing transfer talked to, when the engine named one.
+    pub peer: Option<String>,
+}
+
+impl std::fmt::Display for Handoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "hop {}, request {}", self.hop, self.request)?;
+        if let Some(t) = &self.tensor {
+            write!(f, ", tensor {t}")?;
+        }
+        write!(f, ": {}", self.cause)
+    }
 }
 
 /// What kind of failure ended a handoff, as reports and fault verdicts name it.
@@ -134,7 +148,7 @@ impl Cause for omnirig_transports::Error {
 impl Cause for HarnessError {
     fn failure_kind(&self) -> FailureKind {
         match self {
-            HarnessError::Handoff { kind, .. } => *kind,
+            HarnessError::Handoff(h) => h.kind,
             HarnessError::Pool { .. } => FailureKind::PoolExhausted,
             HarnessError::Engine(e) => e.failure_kind(),
             HarnessError::Stub(e) => e.failure_kind(),
@@ -145,7 +159,7 @@ impl Cause for HarnessError {
     }
     fn failure_peer(&self) -> Option<String> {
         match self {
-            HarnessError::Handoff { peer, .. } => peer.clone(),
+            HarnessError::Handoff(h) => h.peer.clone(),
             HarnessError::Engine(e) => e.failure_peer(),
             _ => None,
         }
@@ -235,14 +249,14 @@ impl HarnessError {
         tensor: Option<&str>,
         cause: &dyn Cause,
     ) -> Self {
-        HarnessError::Handoff {
+        HarnessError::Handoff(Box::new(Handoff {
             hop: hop.to_string(),
             request: request.into(),
             tensor: tensor.map(Into::into),
             cause: cause.to_string(),
             kind: cause.failure_kind(),
             peer: cause.failure_peer(),
-        }
+        }))
     }
 }
 

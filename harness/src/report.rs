@@ -82,7 +82,7 @@ impl Failure {
     /// Never from its wording.
     pub fn of(error: &HarnessError) -> Failure {
         let (hop, tensor) = match error {
-            HarnessError::Handoff { hop, tensor, .. } => (Some(hop.clone()), tensor.clone()),
+            HarnessError::Handoff(h) => (Some(h.hop.clone()), h.tensor.clone()),
             _ => (None, None),
         };
         let peer = error.failure_peer().or_else(|| {
