@@ -2,7 +2,7 @@
 //! repository root runs it: every golden case through the five stages in one
 //! process over loopback, `omnirig run --processes` (each stage its own OS
 //! process, over tcp on 127.0.0.1), and the CLI's failure exit status. The
-//! full matrix (both transports, connector cases) is in `harness/tests`.
+//! full matrix (every transport, connector cases) is in `harness/tests`.
 
 use std::path::PathBuf;
 use std::process::Command;
