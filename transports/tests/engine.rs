@@ -571,3 +571,40 @@ async fn shm_shares_again_what_the_owner_unmapped() {
     assert_idle(a).await;
     assert_idle(b).await;
 }
+
+/// `lock_memory` locks every buffer's pages (best effort) and the usage says how many bytes
+/// are locked; without it nothing is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_memory_locks_buffers_and_reports_it() {
+    let store = InProcessStore::new();
+    let plain = Engine::new(config(&unique("plain"), "loopback", &store))
+        .await
+        .unwrap();
+    let _a = plain.allocate(8192).unwrap();
+    assert_eq!(plain.usage().locked_bytes, 0);
+    let locking = Engine::new(config(&unique("locking"), "loopback", &store).lock_memory(true))
+        .await
+        .unwrap();
+    let b = locking.allocate(8192).unwrap();
+    // mlock is allowed up to RLIMIT_MEMLOCK; where even two pages are over it, nothing locks
+    // and the usage must say so rather than claim it.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the struct we pass and nothing else.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0;
+    let u = locking.usage();
+    if ok && lim.rlim_cur >= 1 << 20 {
+        assert_eq!(u.locked_bytes, 8192, "{u:?}");
+        assert!(b.region().is_locked());
+    } else {
+        assert_eq!(
+            u.locked_bytes,
+            u64::from(b.region().is_locked()) * 8192,
+            "{u:?}"
+        );
+    }
+    locking.unregister(&b).unwrap();
+    assert_eq!(locking.usage().locked_bytes, 0);
+}
