@@ -466,8 +466,15 @@ impl Request {
     }
 
     /// The slice of this request at `offset..offset+len` (relative to the request).
-    fn slice(&self, local: &Arc<Region>, offset: u64, len: u64) -> SliceOp {
+    fn slice(
+        &self,
+        local: &Arc<Region>,
+        key: &Option<Arc<[u8]>>,
+        offset: u64,
+        len: u64,
+    ) -> SliceOp {
         SliceOp {
+            key: key.clone(),
             kind: self.kind,
             local: local.clone(),
             local_offset: self.local_offset + offset,
@@ -1183,15 +1190,19 @@ async fn run_task(
             .record("transport", peer.info.transport.as_str())
             .record("device", peer.info.device.as_str());
         let s = peer.link.slicing();
+        // The key for this link's kind, shared by every slice of the task.
+        let key: Option<Arc<[u8]>> = r.grant.key(peer.info.transport).map(Arc::from);
         if r.len <= s.slice_size {
             // One slice: no stream machinery on the latency path.
-            peer.link.execute(r.slice(&p.buf.region, 0, r.len)).await?;
+            peer.link
+                .execute(r.slice(&p.buf.region, &key, 0, r.len))
+                .await?;
             batch.progress(i, r.len);
             return Ok(());
         }
         let mut pending = futures_util::stream::iter(slices(r.len, s.slice_size))
             .map(|(off, len)| {
-                let fut = peer.link.execute(r.slice(&p.buf.region, off, len));
+                let fut = peer.link.execute(r.slice(&p.buf.region, &key, off, len));
                 async move { fut.await.map(|()| len) }
             })
             .buffer_unordered(s.in_flight.max(1));
@@ -1279,7 +1290,8 @@ impl EngineInner {
         if r.len > peer.link.slicing().slice_size {
             return Some(p);
         }
-        let op = r.slice(&p.buf.region, 0, r.len);
+        let key = r.grant.key(peer.info.transport).map(Arc::from);
+        let op = r.slice(&p.buf.region, &key, 0, r.len);
         let span = transfer_span(i, r);
         span.record("transport", peer.info.transport.as_str())
             .record("device", peer.info.device.as_str());

@@ -165,9 +165,22 @@ use TransportKind::{Loopback as Lo, Tcp};
 async fn hooks_fire_in_a_buffers_order_and_keys_travel_in_the_grant() {
     let store = InProcessStore::new();
     let (owner, log) = recorded(&store, Refuse::default()).await;
-    let peer = Engine::new(EngineConfig::for_kind(unique("peer"), Lo).store(store.clone()))
-        .await
-        .unwrap();
+    // The initiator's link sees the key of its own kind in every slice.
+    let seen: Arc<Mutex<Vec<Option<Vec<u8>>>>> = Arc::default();
+    let seen_by_link = seen.clone();
+    let peer = Engine::new(
+        EngineConfig::for_kind(unique("peer"), Lo)
+            .store(store.clone())
+            .decorator(omnirig_test_support::slices::on_slices(move |link, op| {
+                seen_by_link
+                    .lock()
+                    .unwrap()
+                    .push(op.key.as_deref().map(<[u8]>::to_vec));
+                link.execute(op)
+            })),
+    )
+    .await
+    .unwrap();
     let dst = owner.allocate(8192).unwrap();
     let id = dst.id();
     assert_eq!(
@@ -191,6 +204,11 @@ async fn hooks_fire_in_a_buffers_order_and_keys_travel_in_the_grant() {
     peer.transfer(vec![Request::write(&src, 0, &g, 0, 8192)], T)
         .await
         .unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [Some(g.epoch.to_le_bytes().to_vec())],
+        "one slice, carrying the loopback key"
+    );
     assert!(owner.revoke(&g));
     assert_eq!(
         take(&log),

@@ -1,10 +1,14 @@
 //! Transports: how bytes move between an engine's registered memory and a peer's.
 //!
-//! One small pair of traits. A [`Transport`] decides whether it can reach a peer and connects;
-//! the resulting [`Link`] executes slices: one-sided writes into, or reads from, a peer's
-//! granted memory. That shape fits every data path we have or plan: memcpy (loopback), a
-//! socket (tcp), RDMA WRITE/READ with remote keys and polled completions (rdma), and device
-//! copies (cuda). A decorator can wrap any transport (fault injection does).
+//! A [`TransportSetup`] (a transport's config) starts a [`Transport`] for one engine; the
+//! transport decides whether it can reach a peer and connects; the resulting [`Link`] executes
+//! slices: one-sided writes into, or reads from, a peer's granted memory. The engine tells the
+//! transport about memory and grants through hooks (register, grant, revoke, unregister), and
+//! its server side admits peers through an [`Admission`]. That shape fits every data path we
+//! have or plan: memcpy (loopback), a socket (tcp), one copy by the owner (shm), RDMA
+//! WRITE/READ with per-grant keys and polled completions (rdma), and device copies (cuda). A
+//! decorator can wrap any transport's data path (fault injection does). `docs/engine.md`
+//! walks through adding a transport.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -82,6 +86,9 @@ pub struct SliceOp {
     pub local: Arc<Region>,
     pub local_offset: u64,
     pub grant: GrantRef,
+    /// The key the granting engine's transport of this link's kind attached to the grant
+    /// ([`Transport::on_grant`]; an RDMA rkey and address), if it attached one.
+    pub key: Option<Arc<[u8]>>,
     /// Offset relative to the grant's start.
     pub grant_offset: u64,
     pub len: u64,
