@@ -574,7 +574,7 @@ impl Engine {
             ));
         }
         // In order of preference: same process, same host, anywhere.
-        setups.sort_by_key(|t| t.kind());
+        setups.sort_by_key(|t| t.kind().preference());
         if let Some(w) = setups.windows(2).find(|w| w[0].kind() == w[1].kind()) {
             return Err(Error::new(
                 ErrorKind::Resource,

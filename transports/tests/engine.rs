@@ -608,3 +608,42 @@ async fn lock_memory_locks_buffers_and_reports_it() {
     locking.unregister(&b).unwrap();
     assert_eq!(locking.usage().locked_bytes, 0);
 }
+
+/// Under the Auto policy the most local transport that reaches a peer wins: shm before tcp
+/// for an engine of this host (loopback, were it running, before both).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_prefers_shm_to_tcp_on_one_host() {
+    use omnirig_transports::{ShmConfig, TransportKind};
+    let store = InProcessStore::new();
+    let cfg = |n: &str| {
+        EngineConfig::new(unique(n))
+            .store(store.clone())
+            .without(TransportKind::Loopback)
+            .with(ShmConfig::default())
+    };
+    let a = Engine::new(cfg("auto-a")).await.unwrap();
+    let b = Engine::new(cfg("auto-b")).await.unwrap();
+    assert_eq!(
+        a.connect(b.name()).await.unwrap().transport,
+        TransportKind::Shm
+    );
+    let c = Engine::new(EngineConfig::new(unique("auto-c")).store(store.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.connect(a.name()).await.unwrap().transport,
+        TransportKind::Tcp,
+        "c runs no shm: tcp is what reaches a"
+    );
+    assert_eq!(
+        c.connect(b.name()).await.unwrap().transport,
+        TransportKind::Tcp
+    );
+    let d = Engine::new(EngineConfig::new(unique("auto-d")).store(store.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.connect(d.name()).await.unwrap().transport,
+        TransportKind::Loopback
+    );
+}

@@ -43,6 +43,14 @@ impl TransportKind {
         }
     }
 
+    /// Rank in [`TransportKind::ALL`]: lower is preferred when several reach a peer.
+    pub fn preference(self) -> usize {
+        Self::ALL
+            .iter()
+            .position(|&k| k == self)
+            .expect("every kind is in ALL")
+    }
+
     /// Whether engines of two processes can use it (loopback cannot).
     pub const fn crosses_processes(self) -> bool {
         !matches!(self, TransportKind::Loopback)
