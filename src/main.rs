@@ -31,7 +31,7 @@ enum Cmd {
     Fixtures(cli::fixtures::FixturesCmd),
     /// Run the five-stage pipeline on a scenario and write a report.
     Run(cli::run::RunArgs),
-    /// Plots (PNG and SVG) from benchmark results and run reports.
+    /// Plots (PNG and SVG) from benchmark results and run reports; markdown tables of the results.
     Report(cli::report::ReportArgs),
     /// One stage as its own process (started by `run --processes`).
     #[command(hide = true)]

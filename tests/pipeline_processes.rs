@@ -2,7 +2,7 @@
 //! repository root runs it: every golden case through the five stages in one
 //! process over loopback, `omnirig run --processes` (each stage its own OS
 //! process, over tcp on 127.0.0.1), and the CLI's failure exit status. The
-//! full matrix (both transports, connector cases) is in `harness/tests`.
+//! full matrix (every transport, connector cases) is in `harness/tests`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -19,10 +19,13 @@ fn out_dir(name: &str) -> PathBuf {
 async fn every_golden_case_in_one_process_loopback() {
     use omnirig_harness::{Runner, Scenario};
     for case in omnirig_fixtures::golden_cases() {
-        let r = Runner::new(Scenario::golden(&case.name, "loopback"))
-            .run()
-            .await
-            .unwrap();
+        let r = Runner::new(Scenario::golden(
+            &case.name,
+            omnirig_transports::TransportKind::Loopback,
+        ))
+        .run()
+        .await
+        .unwrap();
         assert!(r.passed(), "{}: {}", case.name, r.summary_text());
         for q in &r.requests {
             assert!(q.ok, "{}: {:?}", q.id, q.error);

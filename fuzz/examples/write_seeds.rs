@@ -9,7 +9,8 @@ use omnirig_fixtures::{ModelCard, ShapeOptions, TransferKey, expected_packet, go
 use omnirig_harness::control::{Msg, NamedDigest, NamedGrant};
 use omnirig_harness::ec::EcSlot;
 use omnirig_harness::kv::{KvGrant, KvReservation};
-use omnirig_transports::segment::{BufferDescriptor, MemoryKind, SegmentDescriptor};
+use omnirig_transports::segment::{BufferDescriptor, Endpoint, MemoryKind, SegmentDescriptor};
+use omnirig_transports::TransportKind;
 use omnirig_transports::transport::tcp::frame::{FrameKind, Header, error_body};
 use omnirig_transports::{Access, Error, ErrorKind, Grant};
 
@@ -30,6 +31,7 @@ fn grant() -> Grant {
         epoch: 7,
         token: 0x5eed_f00d_dead_beef,
         access: Access::Write,
+        keys: Vec::new(),
     }
 }
 
@@ -54,11 +56,10 @@ fn main() {
     ));
     h.body_len = body.len() as u32;
     write("frame", "error_body", &[&h.encode()[..], &body].concat());
-    let d = SegmentDescriptor {
-        name: "prefill-ec".into(),
-        instance: 0x1234_5678,
-        tcp: Some("127.0.0.1:40002".parse().unwrap()),
-        buffers: vec![
+    let d = SegmentDescriptor::new(
+        "prefill-ec",
+        0x1234_5678,
+        vec![
             BufferDescriptor {
                 id: 1,
                 len: 1 << 20,
@@ -70,8 +71,8 @@ fn main() {
                 kind: MemoryKind::Host,
             },
         ],
-        shm: None,
-    };
+        vec![Endpoint::new(TransportKind::Tcp, "127.0.0.1:40002")],
+    );
     let body = d.to_bytes();
     let mut h = Header::new(FrameKind::DescribeReply, 44);
     h.body_len = body.len() as u32;

@@ -18,7 +18,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use crate::ec::EcSlot;
-use crate::error::{HarnessError, Result};
+use crate::error::{FailureKind, HarnessError, Result};
 use crate::kv::KvReservation;
 use crate::stage::{StageOutcome, StageUsage};
 
@@ -105,6 +105,9 @@ pub enum Msg {
     Refuse {
         request: String,
         cause: String,
+        /// What kind of failure made the consumer refuse.
+        #[serde(default)]
+        kind: FailureKind,
     },
     // ---- hop: producer -> consumer ----
     /// EC / KV FINISH: every granted byte was written.
@@ -126,6 +129,11 @@ pub enum Msg {
         #[serde(deserialize_with = "bounded")]
         failed: Vec<String>,
         cause: String,
+        /// The producer's failure: its kind and the engine peer it names.
+        #[serde(default)]
+        kind: FailureKind,
+        #[serde(default)]
+        peer: Option<String>,
     },
     // ---- orchestration (multi-process runs) ----
     /// A stage process introduces itself: its control listener and engines' TCP addresses.
@@ -569,6 +577,7 @@ mod tests {
             epoch: 1,
             token: 2,
             access: Access::Write,
+            keys: Vec::new(),
         }
     }
 
@@ -586,6 +595,7 @@ mod tests {
         let long = Msg::Refuse {
             request: "x".repeat(MAX_ID + 1),
             cause: String::new(),
+            kind: Default::default(),
         };
         assert!(Msg::decode(&long.encode().unwrap()).is_err());
         let mut g = grant();
@@ -607,12 +617,14 @@ mod tests {
         a.send(Msg::Refuse {
             request: "r1".into(),
             cause: "late".into(),
+            kind: Default::default(),
         })
         .unwrap();
         assert_eq!(b.open_keys(), 0);
         a.send(Msg::Refuse {
             request: "r2".into(),
             cause: String::new(),
+            kind: Default::default(),
         })
         .unwrap();
         assert_eq!(b.open_keys(), 1);
@@ -631,6 +643,7 @@ mod tests {
             a.send(Msg::Refuse {
                 request: r.into(),
                 cause: r.into(),
+                kind: Default::default(),
             })
             .unwrap();
         }

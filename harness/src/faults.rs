@@ -447,10 +447,16 @@ impl MetadataStore for FaultyStore {
                         .map_err(|e| {
                             omnirig_transports::Error::new(ErrorKind::Io, e.to_string())
                         })?;
-                    Ok(self.inner.lookup(&name).await?.map(|d| SegmentDescriptor {
-                        instance: d.instance ^ 0x5eed,
-                        tcp: Some(dead),
-                        ..d
+                    Ok(self.inner.lookup(&name).await?.map(|d| {
+                        let tcp = omnirig_transports::TransportKind::Tcp;
+                        let mut endpoints: Vec<_> =
+                            d.endpoints.into_iter().filter(|e| e.kind != tcp).collect();
+                        endpoints.push(omnirig_transports::Endpoint::new(tcp, dead.to_string()));
+                        SegmentDescriptor {
+                            instance: d.instance ^ 0x5eed,
+                            endpoints,
+                            ..d
+                        }
                     }))
                 }
             }
@@ -468,7 +474,7 @@ mod tests {
     use crate::scenario::Scenario;
 
     fn requests(n: u32) -> Vec<PlannedRequest> {
-        let mut s = Scenario::golden("image_audio", "loopback");
+        let mut s = Scenario::golden("image_audio", omnirig_transports::TransportKind::Loopback);
         s.requests[0].repeat = n;
         s.expand().unwrap()
     }

@@ -375,6 +375,7 @@ mod tests {
             epoch: 1,
             token: 1,
             access: Access::Write,
+            keys: Vec::new(),
         };
         let res = KvReservation {
             first_block: 0,
@@ -448,6 +449,7 @@ mod tests {
                     epoch: 1,
                     token: 1,
                     access: Access::Write,
+                    keys: Vec::new(),
                 },
             }],
         };

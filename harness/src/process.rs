@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use omnirig_fixtures::{ModelCard, PayloadKind, RequestPlan, RequestSpec, Stage, plan_request};
 use omnirig_model_stubs::Stub;
-use omnirig_transports::{Engine, EngineConfig, InProcessStore, ShmConfig, TransportPolicy};
+use omnirig_transports::{Engine, EngineConfig, InProcessStore, TransportKind};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
 
@@ -205,11 +205,12 @@ impl Remote {
         let mut gate = Gate::new(listener, secret.clone());
         let mut children = Vec::new();
         for stage in Stage::ALL {
-            let hop_transport = |k: Option<PayloadKind>| -> Result<&'static str> {
-                Ok(match k {
-                    Some(k) => process_transport(scenario.transport_for(k)?),
-                    None => "tcp",
+            // A stage without that hop still takes the flag; its engine is never built.
+            let hop_transport = |k: Option<PayloadKind>| {
+                k.map_or(TransportKind::Tcp, |k| {
+                    process_transport(scenario.transport_for(k))
                 })
+                .as_str()
             };
             let child = Command::new(exe)
                 .arg("stage")
@@ -218,9 +219,9 @@ impl Remote {
                 .arg("--orchestrator")
                 .arg(addr.to_string())
                 .arg("--in-transport")
-                .arg(hop_transport(inbound_kind(stage))?)
+                .arg(hop_transport(inbound_kind(stage)))
                 .arg("--out-transport")
-                .arg(hop_transport(outbound_kind(stage))?)
+                .arg(hop_transport(outbound_kind(stage)))
                 .env(RUN_SECRET_ENV, &secret)
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
@@ -361,24 +362,27 @@ impl Remote {
                 )),
                 Err(e) => {
                     // Closed: the process died. Silent past the deadline: stopped or hung.
-                    let why = match &e {
-                        HarnessError::Control { reason, .. } if reason.starts_with("no message") => {
-                            format!(
-                                "did not answer request {id} within {:.1} s (request timeout + 8 hop timeouts + compute + 5 s); stopped or hung",
-                                deadline.as_secs_f64()
-                            )
-                        }
-                        e => e.to_string(),
+                    let silent = matches!(&e, HarnessError::Control { reason, .. } if reason.starts_with("no message"));
+                    let why = if silent {
+                        format!(
+                            "did not answer request {id} within {:.1} s (request timeout + 8 hop timeouts + compute + 5 s); stopped or hung",
+                            deadline.as_secs_f64()
+                        )
+                    } else {
+                        e.to_string()
                     };
                     self.halt(*stage, why.clone());
-                    failed(
-                        HarnessError::Deadline {
-                            stage: format!("{stage} process"),
-                            request: id.into(),
-                            reason: why,
-                        }
-                        .to_string(),
-                    )
+                    let err = HarnessError::Deadline {
+                        stage: format!("{stage} process"),
+                        request: id.into(),
+                        reason: why,
+                    };
+                    // A silent stage timed out; a closed one keeps its own kind.
+                    let failure = crate::report::Failure::of(if silent { &err } else { &e });
+                    StageOutcome {
+                        failure: Some(failure),
+                        ..failed(err.to_string())
+                    }
                 }
             }
         });
@@ -449,36 +453,39 @@ fn addr_of(e: &Engine) -> Option<String> {
 
 /// The transport a hop uses when its stages are processes: loopback cannot cross a process,
 /// so it becomes tcp; tcp and shm stay.
-pub fn process_transport(scenario_transport: &'static str) -> &'static str {
-    match scenario_transport {
-        "loopback" => "tcp",
-        t => t,
+pub fn process_transport(scenario_transport: TransportKind) -> TransportKind {
+    if scenario_transport.crosses_processes() {
+        scenario_transport
+    } else {
+        TransportKind::Tcp
     }
 }
 
 /// The body of `omnirig stage`: one stage as its own process. `in_transport` and
-/// `out_transport` ("tcp" or "shm") are its inbound and outbound hops' transports.
+/// `out_transport` are its inbound and outbound hops' transports (kinds that cross processes).
 pub async fn run_stage_process(
     stage: Stage,
     orchestrator: SocketAddr,
-    in_transport: &'static str,
-    out_transport: &'static str,
+    in_transport: TransportKind,
+    out_transport: TransportKind,
 ) -> Result<()> {
+    for t in [in_transport, out_transport] {
+        if !t.crosses_processes() {
+            return Err(setup(format!(
+                "transport {t} cannot cross processes (use one of {})",
+                TransportKind::process_names()
+            )));
+        }
+    }
     let secret = std::env::var(RUN_SECRET_ENV).map_err(|_| {
         setup(format!(
             "{RUN_SECRET_ENV} is not set: stage processes are started by `omnirig run --processes`"
         ))
     })?;
     let store = InProcessStore::new();
-    let engine = |side: &str, transport: &'static str| {
-        let c = EngineConfig::new(format!("p{}-{stage}-{side}", std::process::id()))
+    let engine = |side: &str, transport: TransportKind| {
+        EngineConfig::for_kind(format!("p{}-{stage}-{side}", std::process::id()), transport)
             .store(store.clone())
-            .policy(TransportPolicy::Only(transport));
-        if transport == "shm" {
-            c.shm_config(ShmConfig::default())
-        } else {
-            c
-        }
     };
     let engine_in = match inbound_kind(stage) {
         Some(_) => Some(Arc::new(Engine::new(engine("in", in_transport)).await?)),

@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use omnirig_transports::{ErrorKind, FaultInjector};
 
-use crate::error::Result;
+use crate::error::{Cause, FailureKind, HarnessError, Result};
 use crate::faults::{CompiledFaults, FaultTarget, fault_tag};
 use crate::stage::{StageOutcome, StageUsage};
 
@@ -63,83 +63,38 @@ pub struct Failure {
     /// differ from what the producer made), `grant_refused` (revoked, unknown or out of
     /// bounds), `pool_exhausted`, `bad_sidecar`, `refused` (the consumer refused),
     /// `metadata`, or `other`.
-    pub kind: String,
+    pub kind: FailureKind,
 }
 
 impl Failure {
-    /// Classifies an error as the harness words it: `hop H, request R[, tensor T]: cause`.
-    /// The cause's own wording is the engine's error kind (`timed out: ...`) or the stub's
-    /// check (`... digest ... differs`), so its first recognised phrase decides.
-    pub fn of(error: &str) -> Failure {
-        let (head, cause) = error.split_once(": ").unwrap_or(("", error));
-        let field = |name: &str| {
-            head.split(", ")
-                .find_map(|p| p.strip_prefix(name))
-                .map(|v| v.split(" blocks ").next().unwrap_or(v).to_string())
+    /// An error that carried no classification (a stage that did not report one).
+    pub fn unclassified() -> Failure {
+        Failure {
+            hop: None,
+            tensor: None,
+            peer: None,
+            kind: FailureKind::Other,
+        }
+    }
+
+    /// Classifies an error from what it carries: the kind and peer its cause kept (the
+    /// engine's error kind, or the check that failed), and the hop and tensor it names.
+    /// Never from its wording.
+    pub fn of(error: &HarnessError) -> Failure {
+        let (hop, tensor) = match error {
+            HarnessError::Handoff(h) => (Some(h.hop.clone()), h.tensor.clone()),
+            _ => (None, None),
         };
-        // The innermost cause is what happened; the chain in front of it is who passed it on.
-        let root = cause
-            .rsplit("producer reported ERROR: ")
-            .next()
-            .unwrap_or(cause);
-        let kinds: [(&str, &[&str]); 11] = [
-            (
-                "bad_sidecar",
-                &[
-                    "packet refused",
-                    "packet is for",
-                    "missing from the packet",
-                    "packet says",
-                ],
-            ),
-            (
-                "corrupt",
-                &[
-                    "does not match",
-                    "differs from the expected",
-                    "first differing byte",
-                    "bytes arrived",
-                    "differ from the packet",
-                    "digest missing or different",
-                ],
-            ),
-            ("timed_out", &["timed out", "no offer", "no reply"]),
-            ("peer_disconnected", &["peer disconnected"]),
-            ("unreachable", &["peer unreachable", "unknown segment"]),
-            (
-                "grant_refused",
-                &[
-                    "grant revoked",
-                    "unknown grant",
-                    "range outside grant",
-                    "grant token",
-                ],
-            ),
-            ("pool_exhausted", &["pool "]),
-            ("metadata", &["metadata store"]),
-            ("io", &["i/o error"]),
-            ("refused", &["refused"]),
-            ("other", &[""]),
-        ];
-        let kind = kinds
-            .iter()
-            .find(|(_, needles)| needles.iter().any(|n| root.contains(n)))
-            .map_or("other", |(k, _)| k);
-        let hop = field("hop ");
-        let peer = root
-            .split("(peer ")
-            .nth(1)
-            .map(|p| p.split([',', ')']).next().unwrap_or(p).to_string())
-            .or_else(|| {
-                hop.as_deref()
-                    .and_then(|h| omnirig_fixtures::PayloadKind::parse(h, "hop").ok())
-                    .map(|k| k.source().as_str().to_string())
-            });
+        let peer = error.failure_peer().or_else(|| {
+            hop.as_deref()
+                .and_then(|h| omnirig_fixtures::PayloadKind::parse(h, "hop").ok())
+                .map(|k| k.source().as_str().to_string())
+        });
         Failure {
             hop,
-            tensor: field("tensor "),
+            tensor,
             peer,
-            kind: kind.into(),
+            kind: error.failure_kind(),
         }
     }
 }

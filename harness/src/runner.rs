@@ -10,8 +10,7 @@ use std::time::Instant;
 
 use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
 use omnirig_transports::{
-    Engine, EngineConfig, FaultInjector, InProcessStore, MetadataStore, ShmConfig,
-    TransportDecorator, TransportPolicy,
+    Engine, EngineConfig, FaultInjector, InProcessStore, MetadataStore, TransportDecorator,
 };
 
 use crate::control::Link;
@@ -94,18 +93,9 @@ pub async fn local_stages(
     );
     let mut ends: BTreeMap<&str, (HopEnd, HopEnd)> = BTreeMap::new();
     for kind in PayloadKind::ALL {
-        let transport = scenario.transport_for(kind)?;
+        let transport = scenario.transport_for(kind);
         let mk = |side: &str| {
-            let mut c = EngineConfig::new(format!("{tag}-{kind}-{side}"))
-                .store(store.clone())
-                .policy(TransportPolicy::Only(transport));
-            if transport == "loopback" {
-                c = c.tcp_listen(None);
-            }
-            if transport == "shm" {
-                c = c.shm_config(ShmConfig::default());
-            }
-            c
+            EngineConfig::for_kind(format!("{tag}-{kind}-{side}"), transport).store(store.clone())
         };
         let mut tx_cfg = mk("tx");
         if let Some(d) = decorators.get(kind.as_str()) {
@@ -236,9 +226,9 @@ impl Runner {
         let mut transports = BTreeMap::new();
         for k in PayloadKind::ALL {
             let t = if self.processes.is_some() {
-                crate::process::process_transport(self.scenario.transport_for(k)?)
+                crate::process::process_transport(self.scenario.transport_for(k))
             } else {
-                self.scenario.transport_for(k)?
+                self.scenario.transport_for(k)
             };
             transports.insert(k.as_str().to_string(), t.to_string());
         }
@@ -355,7 +345,11 @@ pub fn request_result(r: &PlannedRequest, stages: Vec<StageOutcome>, e2e_ms: f64
         id: r.id.clone(),
         label: r.label.clone(),
         ok: error.is_none(),
-        failure: error.as_deref().map(Failure::of),
+        // The first failing stage in pipeline order, as that stage classified it.
+        failure: stages
+            .iter()
+            .find(|s| s.error.is_some())
+            .map(|s| s.failure.clone().unwrap_or_else(Failure::unclassified)),
         error,
         errors,
         e2e_ms,

@@ -5,7 +5,7 @@
 //! name: mixed
 //! concurrency: 4                 # requests in flight at most
 //! arrival: { pattern: poisson, rate_per_s: 20, seed: 1 }   # closed | interval | poisson
-//! transport: loopback            # default for every hop: loopback | tcp
+//! transport: loopback            # default for every hop: loopback | tcp | shm
 //! hops: { kv_cache: tcp }        # per-hop override, by payload kind
 //! compute: { thinker_decode: { per_token_us: 30 } }        # per stage, see model-stubs
 //! block_tokens: 16               # KV block size
@@ -29,6 +29,7 @@ use omnirig_fixtures::{
     plan_request,
 };
 use omnirig_model_stubs::ComputeTime;
+use omnirig_transports::TransportKind;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{HarnessError, Result};
@@ -53,9 +54,6 @@ pub const MAX_RATE_PER_S: f64 = 1e9;
 /// Tokens per KV block at most.
 pub const MAX_BLOCK_TOKENS: u64 = 1 << 16;
 
-/// Transports a hop may use (loopback: one process; shm: processes of one host; tcp: any).
-pub const TRANSPORTS: [&str; 3] = ["loopback", "tcp", "shm"];
-
 fn default_name() -> String {
     "scenario".into()
 }
@@ -65,8 +63,8 @@ fn one() -> usize {
 fn one_u32() -> u32 {
     1
 }
-fn loopback() -> String {
-    "loopback".into()
+fn default_transport() -> TransportKind {
+    TransportKind::Loopback
 }
 fn yes() -> bool {
     true
@@ -95,8 +93,10 @@ pub struct Scenario {
     pub concurrency: usize,
     #[serde(default)]
     pub arrival: Arrival,
-    #[serde(default = "loopback")]
-    pub transport: String,
+    /// Every hop's transport unless `hops` overrides it (loopback: one process; shm:
+    /// processes of one host; tcp: any). An unknown name is refused, listing the valid ones.
+    #[serde(default = "default_transport")]
+    pub transport: TransportKind,
     #[serde(default)]
     pub hops: HopTransports,
     #[serde(default)]
@@ -170,10 +170,10 @@ impl Default for Arrival {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HopTransports {
-    pub encoder_embeddings: Option<String>,
-    pub kv_cache: Option<String>,
-    pub thinker_to_talker: Option<String>,
-    pub talker_to_code2wav: Option<String>,
+    pub encoder_embeddings: Option<TransportKind>,
+    pub kv_cache: Option<TransportKind>,
+    pub thinker_to_talker: Option<TransportKind>,
+    pub talker_to_code2wav: Option<TransportKind>,
 }
 
 /// Modelled compute time per stage (zero by default).
@@ -263,16 +263,6 @@ fn within(source: &str, e: HarnessError) -> HarnessError {
     }
 }
 
-/// The static name of a transport, or an error naming the field.
-pub fn transport_name(s: &str, field: &str) -> Result<&'static str> {
-    TRANSPORTS.into_iter().find(|t| *t == s).ok_or_else(|| {
-        bad(
-            field,
-            format!("unknown transport {s:?} (loopback, tcp, shm)"),
-        )
-    })
-}
-
 impl Scenario {
     pub fn from_yaml(yaml: &str, source_name: &str) -> Result<Scenario> {
         let s: Scenario =
@@ -294,13 +284,13 @@ impl Scenario {
     }
 
     /// One golden case, once, over `transport` on every hop.
-    pub fn golden(case: &str, transport: &str) -> Scenario {
+    pub fn golden(case: &str, transport: TransportKind) -> Scenario {
         Scenario {
             name: case.into(),
             description: String::new(),
             concurrency: 1,
             arrival: Arrival::default(),
-            transport: transport.into(),
+            transport,
             hops: HopTransports::default(),
             compute: StageCompute::default(),
             block_tokens: 16,
@@ -323,8 +313,8 @@ impl Scenario {
     }
 
     /// Every hop over `transport` (a CLI override).
-    pub fn with_transport(mut self, transport: &str) -> Scenario {
-        self.transport = transport.into();
+    pub fn with_transport(mut self, transport: TransportKind) -> Scenario {
+        self.transport = transport;
         self.hops = HopTransports::default();
         self
     }
@@ -411,9 +401,6 @@ impl Scenario {
                 ),
             ));
         }
-        for k in PayloadKind::ALL {
-            self.transport_for(k).map_err(|e| within(source, e))?;
-        }
         for (i, r) in self.requests.iter().enumerate() {
             if r.case.is_some() == r.request.is_some() {
                 return Err(bad(
@@ -452,17 +439,15 @@ impl Scenario {
         crate::faults::compile(&self.faults, self.random_faults.as_ref(), requests)
     }
 
-    pub fn transport_for(&self, kind: PayloadKind) -> Result<&'static str> {
+    /// The hop's transport: its override, or the scenario's.
+    pub fn transport_for(&self, kind: PayloadKind) -> TransportKind {
         let o = match kind {
-            PayloadKind::EncoderEmbeddings => &self.hops.encoder_embeddings,
-            PayloadKind::KvCache => &self.hops.kv_cache,
-            PayloadKind::ThinkerToTalker => &self.hops.thinker_to_talker,
-            PayloadKind::TalkerToCode2wav => &self.hops.talker_to_code2wav,
+            PayloadKind::EncoderEmbeddings => self.hops.encoder_embeddings,
+            PayloadKind::KvCache => self.hops.kv_cache,
+            PayloadKind::ThinkerToTalker => self.hops.thinker_to_talker,
+            PayloadKind::TalkerToCode2wav => self.hops.talker_to_code2wav,
         };
-        transport_name(
-            o.as_deref().unwrap_or(&self.transport),
-            &format!("hops.{kind}"),
-        )
+        o.unwrap_or(self.transport)
     }
 
     pub fn shape_options(&self) -> ShapeOptions {
@@ -692,10 +677,10 @@ requests:
     request: { seed: 9, text_tokens: 100, images: [{ width: 320, height: 240 }], output_text_tokens: 10, output_audio_seconds: 1.0 }
 "#;
         let s = Scenario::from_yaml(yaml, "t").unwrap();
-        assert_eq!(s.transport_for(PayloadKind::KvCache).unwrap(), "tcp");
+        assert_eq!(s.transport_for(PayloadKind::KvCache), TransportKind::Tcp);
         assert_eq!(
-            s.transport_for(PayloadKind::ThinkerToTalker).unwrap(),
-            "loopback"
+            s.transport_for(PayloadKind::ThinkerToTalker),
+            TransportKind::Loopback
         );
         assert_eq!(s.compute.of(Stage::ThinkerDecode).per_token_us, 30);
         let r = s.expand().unwrap();
@@ -712,7 +697,19 @@ requests:
         for (yaml, needle) in [
             ("requests: []", "at least one"),
             ("requests: [{ case: nope }]", "nope"),
-            ("transport: rdma\nrequests: [{ case: text_short }]", "rdma"),
+            (
+                "transport: carrier_pigeon\nrequests: [{ case: text_short }]",
+                "carrier_pigeon",
+            ),
+            // An unknown name lists the valid ones.
+            (
+                "transport: carrier_pigeon\nrequests: [{ case: text_short }]",
+                "loopback, shm, tcp",
+            ),
+            (
+                "hops: { kv_cache: udp }\nrequests: [{ case: text_short }]",
+                "udp",
+            ),
             (
                 "requests: [{ case: text_short, request: { text_tokens: 1 } }]",
                 "exactly one",

@@ -22,12 +22,13 @@ use tokio::sync::Notify;
 
 use crate::control::{Link, Msg, NamedDigest, NamedGrant};
 use crate::ec::{EcAcquire, EcSlot, EncoderCache};
-use crate::error::{HarnessError, Result};
+use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
 use crate::kv::{
     BlockPool, KvGeometry, KvGrant, KvReservation, block_hash, contiguous_runs, plan_kv_writes,
 };
 use crate::pool::{Lease, Pool};
+use crate::report::Failure;
 
 /// Registered memory per stage, sized by the runner for the scenario's
 /// concurrency and largest request.
@@ -84,6 +85,9 @@ pub struct StageOutcome {
     /// False when the request has no work for this stage (no encoder for text only).
     pub participated: bool,
     pub error: Option<String>,
+    /// `error`, classified from the error itself (its kind and peer), for the report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<Failure>,
     pub received: Option<Received>,
     pub sent: Option<Sent>,
     pub compute_ms: f64,
@@ -507,6 +511,7 @@ impl StageWorker {
             Ok(p) => p,
             Err(e) => {
                 out.error = Some(format!("request {request}: {e}"));
+                out.failure = Some(Failure::of(&HarnessError::from(e)));
                 return out;
             }
         };
@@ -522,6 +527,7 @@ impl StageWorker {
                 Err(e) => {
                     tracing::warn!(stage = %self.cfg.stage, request, error = %e, "request failed");
                     out.error = Some(e.to_string());
+                    out.failure = Some(Failure::of(&e));
                 }
             }
         }
@@ -646,7 +652,7 @@ impl StageWorker {
     ) -> Result<(Held, Received)> {
         let link = &side.end.link;
         let engine = &side.end.engine;
-        let hop_err = |tensor: Option<&str>, cause: &dyn std::fmt::Display| {
+        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
         };
         // Refuse upstream if we cannot even reserve, so it does not wait for us.
@@ -654,6 +660,7 @@ impl StageWorker {
             let _ = link.send(Msg::Refuse {
                 request: rid.into(),
                 cause: e.to_string(),
+                kind: e.failure_kind(),
             });
             e
         };
@@ -663,7 +670,10 @@ impl StageWorker {
         match link.recv(rid, self.cfg.request_timeout).await {
             Ok(Msg::Offer { .. }) => {}
             Ok(other) => return Err(refuse(Self::bad_reply(hop, rid, other))),
-            Err(e) => return Err(refuse(hop_err(None, &format!("no offer: {e}")))),
+            Err(e) => {
+                let e = Classified::new(FailureKind::TimedOut, format!("no offer: {e}"));
+                return Err(refuse(hop_err(None, &e)));
+            }
         }
         let t0 = Instant::now();
         let mut rec = Received {
@@ -708,7 +718,10 @@ impl StageWorker {
                             if declared.map(|d| d.digest.as_str()) != Some(&found.to_hex()) {
                                 return Err(hop_err(
                                     Some(&tensor),
-                                    &"producer's FINISH digest missing or different",
+                                    &Classified::new(
+                                        FailureKind::Corrupt,
+                                        "producer's FINISH digest missing or different",
+                                    ),
                                 ));
                             }
                             held.reserved.retain(|r| r.0 != hash);
@@ -910,27 +923,41 @@ impl StageWorker {
                 let tv = Instant::now();
                 match reply? {
                     Msg::Packet { packet, .. } => {
-                        let p = Packet::from_msgpack(&packet)
-                            .map_err(|e| hop_err(None, &format!("packet refused: {e}")))?;
+                        let p = Packet::from_msgpack(&packet).map_err(|e| {
+                            let e = format!("packet refused: {e}");
+                            hop_err(None, &Classified::new(FailureKind::BadSidecar, e))
+                        })?;
                         if p.request_id != rid || p.payload_kind != hop.payload_kind {
                             return Err(hop_err(
                                 None,
-                                &format!(
-                                    "packet is for request {} / {}",
-                                    p.request_id, p.payload_kind
+                                &Classified::new(
+                                    FailureKind::BadSidecar,
+                                    format!(
+                                        "packet is for request {} / {}",
+                                        p.request_id, p.payload_kind
+                                    ),
                                 ),
                             ));
                         }
                         for (t, &offset) in hop.tensors.iter().zip(&leases) {
                             let e = p.entry(&t.name).ok_or_else(|| {
-                                hop_err(Some(&t.name), &"missing from the packet")
+                                hop_err(
+                                    Some(&t.name),
+                                    &Classified::new(
+                                        FailureKind::BadSidecar,
+                                        "missing from the packet",
+                                    ),
+                                )
                             })?;
                             if e.dtype != t.dtype || e.shape != t.shape {
                                 return Err(hop_err(
                                     Some(&t.name),
-                                    &format!(
-                                        "packet says {} {:?}, expected {} {:?}",
-                                        e.dtype, e.shape, t.dtype, t.shape
+                                    &Classified::new(
+                                        FailureKind::BadSidecar,
+                                        format!(
+                                            "packet says {} {:?}, expected {} {:?}",
+                                            e.dtype, e.shape, t.dtype, t.shape
+                                        ),
                                     ),
                                 ));
                             }
@@ -944,7 +971,10 @@ impl StageWorker {
                             if found != e.digest {
                                 return Err(hop_err(
                                     Some(&t.name),
-                                    &"landed bytes differ from the packet's digest",
+                                    &Classified::new(
+                                        FailureKind::Corrupt,
+                                        "landed bytes differ from the packet's digest",
+                                    ),
                                 ));
                             }
                             rec.tensors += 1;
@@ -984,7 +1014,7 @@ impl StageWorker {
                     hop.payload_kind,
                     rid,
                     Some(&item.tensor_name),
-                    "not in the hop",
+                    &"not in the hop",
                 )
             })?;
             loop {
@@ -1026,7 +1056,7 @@ impl StageWorker {
                                 hop.payload_kind,
                                 rid,
                                 Some(&spec.name),
-                                format!("encoder cache: {got:?} for {:?}", self.timeout()),
+                                &format!("encoder cache: {got:?} for {:?}", self.timeout()),
                             ));
                         }
                     }
@@ -1038,24 +1068,35 @@ impl StageWorker {
 
     fn bad_reply(hop: &Hop, rid: &str, msg: Msg) -> HarnessError {
         match msg {
-            Msg::Error { failed, cause, .. } => HarnessError::handoff(
+            Msg::Error {
+                failed,
+                cause,
+                kind,
+                peer,
+                ..
+            } => HarnessError::handoff(
                 hop.payload_kind,
                 rid,
                 failed.first().map(String::as_str),
-                format!(
-                    "producer reported ERROR{}: {cause}",
-                    if failed.len() > 1 {
-                        format!(" ({} failed: {})", failed.len(), failed.join(", "))
-                    } else {
-                        String::new()
-                    }
-                ),
+                // The producer's kind and peer: what happened, not who passed it on.
+                &Classified {
+                    kind,
+                    peer,
+                    text: format!(
+                        "producer reported ERROR{}: {cause}",
+                        if failed.len() > 1 {
+                            format!(" ({} failed: {})", failed.len(), failed.join(", "))
+                        } else {
+                            String::new()
+                        }
+                    ),
+                },
             ),
             other => HarnessError::handoff(
                 hop.payload_kind,
                 rid,
                 None,
-                format!("unexpected {} message", other.name()),
+                &format!("unexpected {} message", other.name()),
             ),
         }
     }
@@ -1074,6 +1115,8 @@ impl StageWorker {
             request: rid.into(),
             failed: vec![],
             cause: format!("{} did not run: {cause}", self.cfg.stage),
+            kind: cause.failure_kind(),
+            peer: cause.failure_peer(),
         });
     }
 
@@ -1086,7 +1129,7 @@ impl StageWorker {
     ) -> Result<Sent> {
         let link = &side.end.link;
         let engine = &side.end.engine;
-        let hop_err = |tensor: Option<&str>, cause: &dyn std::fmt::Display| {
+        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
         };
         // Prefill's KV is its compute's output: it exists before decode asks for it.
@@ -1150,8 +1193,14 @@ impl StageWorker {
             request: rid.into(),
         })?;
         let msg = link.recv(rid, self.timeout()).await?;
-        if let Msg::Refuse { cause, .. } = &msg {
-            return Err(hop_err(None, &format!("consumer refused: {cause}")));
+        if let Msg::Refuse { cause, kind, .. } = &msg {
+            // What made the consumer refuse (a full pool, ...), else a plain refusal.
+            let kind = match kind {
+                FailureKind::Other => FailureKind::Refused,
+                k => *k,
+            };
+            let cause = Classified::new(kind, format!("consumer refused: {cause}"));
+            return Err(hop_err(None, &cause));
         }
         // From here on the consumer waits for FINISH/packet or ERROR: always answer.
         let mut sent = Sent {
@@ -1171,6 +1220,8 @@ impl StageWorker {
                     request: rid.into(),
                     failed,
                     cause: e.to_string(),
+                    kind: e.failure_kind(),
+                    peer: e.failure_peer(),
                 });
                 Err(e)
             }
@@ -1191,10 +1242,10 @@ impl StageWorker {
         sent: &mut Sent,
     ) -> std::result::Result<Msg, (Vec<String>, HarnessError)> {
         let engine = &side.end.engine;
-        let hop_err = |tensor: Option<&str>, cause: &dyn std::fmt::Display| {
+        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
         };
-        let fail = |tensor: &str, cause: &dyn std::fmt::Display| {
+        let fail = |tensor: &str, cause: &dyn Cause| {
             (vec![tensor.to_string()], hop_err(Some(tensor), cause))
         };
         let mut requests = Vec::new();
@@ -1354,7 +1405,7 @@ impl StageWorker {
         name: &str,
         grant: &Grant,
     ) -> std::result::Result<(Lease, u64, Digest128), (Vec<String>, HarnessError)> {
-        let fail = |cause: &dyn std::fmt::Display| {
+        let fail = |cause: &dyn Cause| {
             (
                 vec![name.to_string()],
                 HarnessError::handoff(hop.payload_kind, rid, Some(name), cause),

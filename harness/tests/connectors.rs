@@ -10,51 +10,22 @@ use omnirig_fixtures::{
 use omnirig_harness::control::{Link, Msg, NamedGrant};
 use omnirig_harness::stage::HopEnd;
 use omnirig_harness::{Scenario, StageWorker};
-use omnirig_transports::transport::BoxFuture;
+use omnirig_test_support::slices::on_slices;
 use omnirig_transports::{
-    Access, Engine, EngineConfig, InProcessStore, Request, Result as TeResult, SegmentDescriptor,
-    SliceOp, Slicing, Transport, TransportPolicy,
+    Access, Engine, EngineConfig, InProcessStore, Request, TransportDecorator, TransportKind,
 };
 
 const T: Duration = Duration::from_secs(20);
 const DELAY: Duration = Duration::from_millis(150);
 
 /// Delays every slice: a packet published before its tensors landed would be caught.
-struct Slow(Arc<dyn Transport>);
-struct SlowLink(Arc<dyn omnirig_transports::Link>);
-
-impl Transport for Slow {
-    fn name(&self) -> &'static str {
-        self.0.name()
-    }
-    fn reaches(&self, peer: &SegmentDescriptor) -> bool {
-        self.0.reaches(peer)
-    }
-    fn connect(
-        &self,
-        peer: SegmentDescriptor,
-    ) -> BoxFuture<'static, TeResult<Arc<dyn omnirig_transports::Link>>> {
-        let c = self.0.connect(peer);
-        Box::pin(
-            async move { Ok(Arc::new(SlowLink(c.await?)) as Arc<dyn omnirig_transports::Link>) },
-        )
-    }
-}
-
-impl omnirig_transports::Link for SlowLink {
-    fn info(&self) -> omnirig_transports::LinkInfo {
-        self.0.info()
-    }
-    fn slicing(&self) -> Slicing {
-        self.0.slicing()
-    }
-    fn execute(&self, op: SliceOp) -> BoxFuture<'static, TeResult<()>> {
-        let inner = self.0.clone();
+fn slow() -> TransportDecorator {
+    on_slices(|link, op| {
         Box::pin(async move {
             tokio::time::sleep(DELAY).await;
-            inner.execute(op).await
+            link.execute(op).await
         })
-    }
+    })
 }
 
 struct Rig {
@@ -70,18 +41,16 @@ struct Rig {
 async fn rig(slow_out: bool) -> Rig {
     let store = InProcessStore::new();
     let cfg = |name: &str| {
-        EngineConfig::new(format!("{name}-{slow_out}"))
+        EngineConfig::for_kind(format!("{name}-{slow_out}"), TransportKind::Loopback)
             .store(store.clone())
-            .policy(TransportPolicy::Only("loopback"))
-            .tcp_listen(None)
     };
     let mut out_cfg = cfg("talker-out");
     if slow_out {
-        out_cfg = out_cfg.decorator(Arc::new(|t| Arc::new(Slow(t)) as Arc<dyn Transport>));
+        out_cfg = out_cfg.decorator(slow());
     }
     let (up_link, talker_in) = Link::pair("thinker_to_talker");
     let (talker_out, down_link) = Link::pair("talker_to_code2wav");
-    let scenario = Scenario::golden("image_audio", "loopback");
+    let scenario = Scenario::golden("image_audio", TransportKind::Loopback);
     let req = scenario.expand().unwrap().remove(0);
     let sizes = scenario.pool_sizes(&[&req.plan]);
     let worker = StageWorker::new(
@@ -223,35 +192,8 @@ async fn corrupted_tensor_fails_naming_hop_and_tensor_and_releases_loopback() {
 }
 
 /// Fails every slice of one layer's V tensor, as a broken link would.
-struct FailV(Arc<dyn Transport>);
-struct FailVLink(Arc<dyn omnirig_transports::Link>);
-
-impl Transport for FailV {
-    fn name(&self) -> &'static str {
-        self.0.name()
-    }
-    fn reaches(&self, peer: &SegmentDescriptor) -> bool {
-        self.0.reaches(peer)
-    }
-    fn connect(
-        &self,
-        peer: SegmentDescriptor,
-    ) -> BoxFuture<'static, TeResult<Arc<dyn omnirig_transports::Link>>> {
-        let c = self.0.connect(peer);
-        Box::pin(
-            async move { Ok(Arc::new(FailVLink(c.await?)) as Arc<dyn omnirig_transports::Link>) },
-        )
-    }
-}
-
-impl omnirig_transports::Link for FailVLink {
-    fn info(&self) -> omnirig_transports::LinkInfo {
-        self.0.info()
-    }
-    fn slicing(&self) -> Slicing {
-        self.0.slicing()
-    }
-    fn execute(&self, op: SliceOp) -> BoxFuture<'static, TeResult<()>> {
+fn fail_v() -> TransportDecorator {
+    on_slices(|link, op| {
         // Prefill's KV layout is [layer][K, V][3 blocks of 16 KiB]: fail layer 0's V.
         let half = op.local_offset / (3 * 16 * 4 * 128 * 2);
         if half == 1 {
@@ -262,19 +204,16 @@ impl omnirig_transports::Link for FailVLink {
                 ))
             });
         }
-        self.0.execute(op)
-    }
+        link.execute(op)
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_error_names_the_failed_blocks_and_releases_loopback() {
     // text_short: 48 tokens = 3 blocks, so prefill's KV cache holds 3 blocks per tensor.
-    let s = Scenario::golden("text_short", "loopback");
+    let s = Scenario::golden("text_short", TransportKind::Loopback);
     let r = omnirig_harness::Runner::new(s)
-        .decorate(
-            PayloadKind::KvCache,
-            Arc::new(|t| Arc::new(FailV(t)) as Arc<dyn Transport>),
-        )
+        .decorate(PayloadKind::KvCache, fail_v())
         .run()
         .await
         .unwrap();
@@ -297,10 +236,7 @@ async fn hop_timeout_fails_the_transfer_and_names_it_loopback() {
     let s =
         Scenario::from_yaml("hop_timeout_s: 0.1\nrequests: [{ case: text_short }]", "t").unwrap();
     let r = omnirig_harness::Runner::new(s)
-        .decorate(
-            PayloadKind::KvCache,
-            Arc::new(|t| Arc::new(Slow(t)) as Arc<dyn Transport>),
-        )
+        .decorate(PayloadKind::KvCache, slow())
         .run()
         .await
         .unwrap();

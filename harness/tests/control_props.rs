@@ -13,8 +13,6 @@
 //! decode may hold a few tens of bytes per input byte (a 1-byte empty string becomes a
 //! 24-byte `String`): bounded by the input, never by a claim.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
@@ -26,69 +24,18 @@ use omnirig_harness::ec::EcSlot;
 use omnirig_harness::kv::{KvGrant, KvReservation};
 use omnirig_harness::stage::{EngineUsage, PoolUsage, Received, Sent};
 use omnirig_harness::{StageOutcome, StageUsage};
+use omnirig_test_support::alloc::{Counting, peak_of};
 use omnirig_transports::{Access, Grant};
 use proptest::prelude::*;
 
-// ---- a per-thread peak-allocation meter ----
-
-struct Counting;
-
-thread_local! {
-    static LIVE: Cell<usize> = const { Cell::new(0) };
-    static PEAK: Cell<usize> = const { Cell::new(0) };
-}
-
-fn grew(n: usize) {
-    let _ = LIVE.try_with(|l| {
-        let v = l.get().wrapping_add(n);
-        l.set(v);
-        let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
-    });
-}
-
-fn shrank(n: usize) {
-    let _ = LIVE.try_with(|l| l.set(l.get().wrapping_sub(n)));
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(l) };
-        if !p.is_null() {
-            grew(l.size());
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        unsafe { System.dealloc(p, l) };
-        shrank(l.size());
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = unsafe { System.realloc(p, l, new) };
-        if !q.is_null() {
-            // Count the moment both blocks may be live.
-            grew(new);
-            shrank(l.size());
-        }
-        q
-    }
-}
+// ---- a per-thread peak-allocation meter (omnirig-test-support) ----
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-/// `f`'s result and the most bytes it held allocated at once (this thread only).
-fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    let start = LIVE.with(Cell::get);
-    PEAK.with(|p| p.set(start));
-    let out = f();
-    (out, PEAK.with(Cell::get).saturating_sub(start))
+#[test]
+fn the_allocation_meter_is_installed() {
+    omnirig_test_support::alloc::assert_installed();
 }
 
 /// The allowance per decode: proportional to the input (see the module comment), plus serde's
@@ -108,6 +55,7 @@ fn grant(segment: &str, len: u64) -> Grant {
         epoch: 7,
         token: 0x5eed_f00d_dead_beef,
         access: Access::Write,
+        keys: Vec::new(),
     }
 }
 
@@ -187,6 +135,7 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
         Msg::Refuse {
             request: r(),
             cause: "no room in pool kv (need 4 blocks)".into(),
+            kind: Default::default(),
         },
         Msg::Finish {
             request: r(),
@@ -203,6 +152,8 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
             request: r(),
             failed: vec!["kv.layer0.k".into(), "kv.layer0.v".into()],
             cause: "peer closed".into(),
+            kind: Default::default(),
+            peer: None,
         },
         Msg::Hello {
             stage: "talker".into(),
@@ -247,6 +198,12 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
                 stage: "talker".into(),
                 participated: true,
                 error: Some("late".into()),
+                failure: Some(omnirig_harness::report::Failure {
+                    hop: Some("thinker_to_talker".into()),
+                    tensor: Some("embed.tts_eos".into()),
+                    peer: Some("talker".into()),
+                    kind: omnirig_harness::error::FailureKind::TimedOut,
+                }),
                 received: Some(Received {
                     hop: "thinker_to_talker".into(),
                     tensors: 5,

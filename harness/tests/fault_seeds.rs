@@ -6,7 +6,7 @@
 use omnirig_harness::faults::{AnyFault, FaultSpec};
 use omnirig_harness::scenario::{RequestEntry, Scenario};
 use omnirig_harness::{Report, Runner};
-use omnirig_transports::{FaultKind, FaultPoint};
+use omnirig_transports::{FaultKind, FaultPoint, TransportKind};
 use rstest::rstest;
 
 const HOP_TIMEOUT_S: f64 = 1.0;
@@ -37,7 +37,8 @@ fn assert_late_bytes_refused(r: &Report) {
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn early_completion_among_identical_requests_is_caught(
-    #[values("loopback", "tcp", "shm")] transport: &str,
+    #[values(TransportKind::Loopback, TransportKind::Tcp, TransportKind::Shm)]
+    transport: TransportKind,
     #[values(5, 9)] victim: usize,
     #[values(FaultPoint::AfterBytes(4096), FaultPoint::AtCompletion)] at: FaultPoint,
 ) {
@@ -121,7 +122,7 @@ async fn faults_caught_over_seeds(
     )]
     kind: FaultKind,
 ) {
-    let mut s = Scenario::golden("text_short", "loopback");
+    let mut s = Scenario::golden("text_short", TransportKind::Loopback);
     s.name = "seeds".into();
     s.requests[0] = RequestEntry {
         case: None,

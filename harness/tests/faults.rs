@@ -14,7 +14,7 @@ use omnirig_harness::faults::{
 };
 use omnirig_harness::scenario::{RequestEntry, Scenario};
 use omnirig_harness::{Report, Runner};
-use omnirig_transports::{FaultKind, FaultPoint};
+use omnirig_transports::{FaultKind, FaultPoint, TransportKind};
 use rstest::rstest;
 
 const HOP_TIMEOUT_S: f64 = 1.0;
@@ -32,7 +32,7 @@ fn small(seed: u64) -> RequestSpec {
 /// The faulty request (image_audio: it crosses all four hops) and two healthy ones with
 /// content of their own, so no cache is shared with the faulty one.
 fn scenario(transport: &str, faults: Vec<FaultSpec>) -> Scenario {
-    let mut s = Scenario::golden("image_audio", transport);
+    let mut s = Scenario::golden("image_audio", transport.parse().unwrap());
     s.name = "faults".into();
     s.concurrency = 3;
     s.hop_timeout_s = HOP_TIMEOUT_S;
@@ -322,7 +322,9 @@ async fn faults_in_the_metadata_store(
 /// the run then waited 10 s for them).
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tiny_hop_deadline_leaves_nothing_behind(#[values("loopback", "tcp")] transport: &str) {
+async fn a_tiny_hop_deadline_leaves_nothing_behind(
+    #[values(TransportKind::Loopback, TransportKind::Tcp)] transport: TransportKind,
+) {
     for _ in 0..3 {
         let mut s = Scenario::golden("text_short", transport);
         s.concurrency = 4;
@@ -346,7 +348,7 @@ async fn a_tiny_hop_deadline_leaves_nothing_behind(#[values("loopback", "tcp")] 
 /// naming the stage, and the stages after it are told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compute_past_the_request_timeout_fails_at_once() {
-    let mut s = Scenario::golden("text_short", "loopback");
+    let mut s = Scenario::golden("text_short", TransportKind::Loopback);
     s.request_timeout_s = 2.0;
     s.compute.thinker_prefill.per_item_us = 1_000_000_000_000;
     let t = std::time::Instant::now();

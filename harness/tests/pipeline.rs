@@ -30,13 +30,13 @@ fn assert_clean_pass(r: &Report) {
 #[case::video_large_kv("video_large_kv")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn golden_case_five_stages(#[case] case: &str, #[values("loopback", "tcp")] transport: &str) {
-    let r = Runner::new(Scenario::golden(case, transport))
+    let r = Runner::new(Scenario::golden(case, transport.parse().unwrap()))
         .run()
         .await
         .unwrap();
     assert_clean_pass(&r);
     let q = &r.requests[0];
-    let plan = Scenario::golden(case, transport)
+    let plan = Scenario::golden(case, transport.parse().unwrap())
         .expand()
         .unwrap()
         .remove(0)

@@ -41,8 +41,7 @@ use omnirig_harness::inline::{
 };
 use omnirig_harness::pool::{Lease, Pool};
 use omnirig_transports::{
-    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, ShmConfig, TcpConfig,
-    TransportPolicy,
+    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig, TransportKind,
 };
 use serde::{Deserialize, Serialize};
 
@@ -238,6 +237,7 @@ pub fn retire(link: &Link, rid: &str) -> anyhow::Result<()> {
     link.send(Msg::Refuse {
         request: rid.into(),
         cause: "done".into(),
+        kind: Default::default(),
     })?;
     link.forget(rid);
     Ok(())
@@ -708,6 +708,8 @@ async fn consume(
                 request: rid.into(),
                 failed: vec![],
                 cause,
+                kind: Default::default(),
+                peer: None,
             })?,
         }
     }
@@ -783,12 +785,14 @@ pub fn serve_peer(
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let mut cfg = EngineConfig::new(format!("hop-consumer-{}", std::process::id()))
+        let kind = if shm {
+            TransportKind::Shm
+        } else {
+            TransportKind::Tcp
+        };
+        let cfg = EngineConfig::for_kind(format!("hop-consumer-{}", std::process::id()), kind)
             .store(InProcessStore::new())
-            .tcp_config(tcp);
-        if shm {
-            cfg = cfg.shm_config(ShmConfig::default());
-        }
+            .with(tcp);
         let engine = Arc::new(Engine::new(cfg).await?);
         let pool = Pool::new(&engine, "bench.in", pool_bytes)?;
         // Touch the pool once, as registration does for RDMA: no first-touch page faults
@@ -829,7 +833,7 @@ impl ConsumerProcess {
         pool_bytes: u64,
         tcp: &TcpConfig,
         cpu: Option<usize>,
-        transport: &str,
+        transport: TransportKind,
     ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the omnirig binary")?;
         let mut cmd = Command::new(exe);
@@ -837,7 +841,7 @@ impl ConsumerProcess {
         if let Some(c) = cpu {
             cmd.args(["--cpu", &c.to_string()]);
         }
-        if transport == "shm" {
+        if transport == TransportKind::Shm {
             cmd.arg("--shm");
         }
         let mut child = cmd
@@ -874,25 +878,21 @@ impl Drop for ConsumerProcess {
     }
 }
 
-pub fn engine_config(name: &str, transport: &'static str, tcp: &TcpConfig) -> EngineConfig {
-    let c = EngineConfig::new(name)
+pub fn engine_config(name: &str, transport: TransportKind, tcp: &TcpConfig) -> EngineConfig {
+    EngineConfig::for_kind(name, transport)
         .store(InProcessStore::new())
-        .policy(TransportPolicy::Only(transport))
-        .tcp_config(tcp.clone());
-    if transport == "shm" {
-        c.shm_config(ShmConfig::default())
-    } else {
-        c
-    }
+        .with(tcp.clone())
 }
 
-/// The transports the hop and pipeline suites run omnirig over.
-pub fn parse_transport(s: &str) -> anyhow::Result<&'static str> {
-    match s {
-        "tcp" => Ok("tcp"),
-        "shm" => Ok("shm"),
-        other => bail!("transport {other:?}: tcp or shm"),
+/// The hop and pipeline suites run omnirig between processes: a kind that crosses them.
+pub fn process_transport(kind: TransportKind) -> anyhow::Result<TransportKind> {
+    if !kind.crosses_processes() {
+        bail!(
+            "transport {kind} cannot cross processes (use one of {})",
+            TransportKind::process_names()
+        );
     }
+    Ok(kind)
 }
 
 /// A producer connected to a consumer process over tcp (engine and control channel).
@@ -1059,8 +1059,8 @@ pub struct Options {
     pub tcp: TcpConfig,
     /// Sender side and receiver side CPUs (both omnirig and the baseline); None: unpinned.
     pub cpus: Option<super::cpus::CpuPair>,
-    /// omnirig's transport between the two processes: "tcp" or "shm".
-    pub transport: &'static str,
+    /// omnirig's transport between the two processes (one that crosses processes).
+    pub transport: TransportKind,
     /// Stage hops: grant each handoff's destination ahead (see [`Producer::credits`]).
     pub credits: bool,
 }
@@ -1083,7 +1083,7 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
     let rows = rt.block_on(suite(o))?;
     Ok(Results {
         suite: "hop".into(),
-        transport: o.transport.into(),
+        transport: o.transport.to_string(),
         rows,
     })
 }
@@ -1163,12 +1163,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
     // Loopback in one process: the same protocol over in-process queues and memcpy.
     let lb = if o.loopback {
         let store = InProcessStore::new();
-        let cfg = |n: &str| {
-            EngineConfig::new(n)
-                .store(store.clone())
-                .policy(TransportPolicy::Only("loopback"))
-                .tcp_listen(None)
-        };
+        let cfg = |n: &str| EngineConfig::for_kind(n, TransportKind::Loopback).store(store.clone());
         let a = Arc::new(Engine::new(cfg("hop-lb-producer")).await?);
         let b = Arc::new(Engine::new(cfg("hop-lb-consumer")).await?);
         let (lsrc, lp, _) = stage_payloads(&a, kind, &cases, None)?;
@@ -1402,9 +1397,8 @@ mod tests {
     #[tokio::test]
     async fn coalesce_merges_only_runs_contiguous_on_both_sides() {
         let e = Engine::new(
-            EngineConfig::new("t-coalesce")
-                .store(InProcessStore::new())
-                .tcp_listen(None),
+            EngineConfig::for_kind("t-coalesce", TransportKind::Loopback)
+                .store(InProcessStore::new()),
         )
         .await
         .unwrap();
@@ -1465,15 +1459,10 @@ mod tests {
     #[tokio::test]
     async fn loopback_hop_round_trips_with_grants_and_inline() {
         let store = InProcessStore::new();
-        let cfg = |n: &str| {
-            EngineConfig::new(n)
-                .store(store.clone())
-                .policy(TransportPolicy::Only("loopback"))
-                .tcp_listen(None)
-        };
+        let cfg = |n: &str| EngineConfig::for_kind(n, TransportKind::Loopback).store(store.clone());
         let a = Arc::new(Engine::new(cfg("t-prod")).await.unwrap());
         let b = Arc::new(Engine::new(cfg("t-cons")).await.unwrap());
-        let s = Scenario::golden("text_short", "loopback");
+        let s = Scenario::golden("text_short", TransportKind::Loopback);
         for (kind, inline, credits) in [
             (PayloadKind::ThinkerToTalker, 0, false),
             (PayloadKind::ThinkerToTalker, 0, true),
@@ -1531,9 +1520,8 @@ mod inline_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn inline_channel_lands_checks_and_refuses() {
         let engine = Engine::new(
-            EngineConfig::new("t-inline")
-                .store(InProcessStore::new())
-                .tcp_listen(None),
+            EngineConfig::for_kind("t-inline", TransportKind::Loopback)
+                .store(InProcessStore::new()),
         )
         .await
         .unwrap();
@@ -1545,7 +1533,7 @@ mod inline_tests {
             tokio::runtime::Handle::current(),
         ));
         let tx = InlineSender::connect(addr, INLINE_SPIN).unwrap();
-        let s = Scenario::golden("text_short", "loopback");
+        let s = Scenario::golden("text_short", TransportKind::Loopback);
         let cases = scenario_cases(&s, PayloadKind::TalkerToCode2wav).unwrap();
         let t = &cases[0].2[0];
         let bytes = generate_tensor(cases[0].1.seed, t);

@@ -273,6 +273,71 @@ impl Results {
     }
 }
 
+impl Results {
+    /// The results as a markdown table (what README-style pages show): written from the JSON
+    /// a bench run produced, never typed by hand.
+    pub fn markdown(&self) -> String {
+        let cases = self
+            .rows
+            .iter()
+            .any(|r| r.case.is_some() || r.concurrency.is_some());
+        let mut s = format!(
+            "### {} over {}
+
+",
+            self.suite, self.transport
+        );
+        if !cases {
+            s += "| op | size | omnirig GB/s | p50 us | p99 us | baseline | baseline GB/s | baseline p50 us | ratio |\n";
+            s += "|---|---:|---:|---:|---:|---|---:|---:|---:|\n";
+            for r in &self.rows {
+                s += &format!(
+                    "| {} | {} | {:.3} | {:.1} | {:.1} | {} | {:.3} | {:.1} | {:.2}x |\n",
+                    r.op,
+                    human_size(r.size),
+                    r.omnirig.gbps,
+                    r.omnirig.p50_us,
+                    r.omnirig.p99_us,
+                    r.baseline.name,
+                    r.baseline.gbps,
+                    r.baseline.p50_us,
+                    r.ratio
+                );
+            }
+            return s;
+        }
+        s += "| op | case | size | omnirig p50 us | p99 us | baseline | baseline p50 us | p99 us | p50 x | req/s (omnirig vs baseline) |\n";
+        s += "|---|---|---:|---:|---:|---|---:|---:|---:|---|\n";
+        for r in &self.rows {
+            let case = match (r.concurrency, &r.case) {
+                (Some(c), _) => format!("c={c}"),
+                (None, Some(c)) => c.clone(),
+                _ => String::new(),
+            };
+            let rps = r
+                .throughput_rps
+                .map(|(a, b)| format!("{a:.1} vs {b:.1}"))
+                .unwrap_or_default();
+            let p99 = r
+                .baseline
+                .p99_us
+                .map(|v| format!("{v:.1}"))
+                .unwrap_or_default();
+            s += &format!(
+                "| {} | {case} | {} | {:.1} | {:.1} | {} | {:.1} | {p99} | {:.2}x | {rps} |\n",
+                r.op,
+                human_size_approx(r.size),
+                r.omnirig.p50_us,
+                r.omnirig.p99_us,
+                r.baseline.name,
+                r.baseline.p50_us,
+                r.baseline.p50_us / r.omnirig.p50_us,
+            );
+        }
+        s
+    }
+}
+
 /// Sizes that are not powers of two, shortened (3.2K, 145.3M).
 pub fn human_size_approx(n: u64) -> String {
     let f = n as f64;
@@ -319,6 +384,56 @@ mod tests {
         assert!(parse_sizes("99999999999999999G").is_err());
         assert_eq!(human_size(256 << 20), "256M");
         assert_eq!(human_size(1000), "1000");
+    }
+
+    #[test]
+    fn markdown_tables_come_from_the_rows() {
+        let mut s = Samples::new(1 << 20);
+        for us in [100, 200, 300] {
+            s.push(Duration::from_micros(us));
+        }
+        let mut b = Samples::new(1 << 20);
+        for us in [150, 250, 350] {
+            b.push(Duration::from_micros(us));
+        }
+        let row = Row::new("write", 1 << 20, &s, "memcpy", &b);
+        let t = Results {
+            suite: "transfer".into(),
+            transport: "shm".into(),
+            rows: vec![row.clone()],
+        }
+        .markdown();
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "### transfer over shm");
+        assert_eq!(lines.len(), 5, "{t}");
+        let cells: Vec<&str> = lines[4].split('|').map(str::trim).collect();
+        assert_eq!(
+            &cells[1..6],
+            [
+                "write",
+                "1M",
+                &format!("{:.3}", row.omnirig.gbps)[..],
+                "200.0",
+                "300.0"
+            ]
+        );
+        assert_eq!(cells[6], "memcpy");
+        assert_eq!(cells[9], format!("{:.2}x", row.ratio));
+        let mut hop = row;
+        hop.case = Some("text_short".into());
+        let t = Results {
+            suite: "hop".into(),
+            transport: "tcp".into(),
+            rows: vec![hop],
+        }
+        .markdown();
+        let last = t.lines().last().unwrap();
+        assert!(
+            last.starts_with(
+                "| write | text_short | 1.0M | 200.0 | 300.0 | memcpy | 250.0 | 350.0 | 1.25x |"
+            ),
+            "{last}"
+        );
     }
 
     #[test]

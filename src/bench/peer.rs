@@ -7,7 +7,9 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, ChildStdin, Command, Stdio};
 
 use anyhow::{Context, bail};
-use omnirig_transports::{Access, Engine, EngineConfig, Grant, InProcessStore, TcpConfig};
+use omnirig_transports::{
+    Access, Engine, EngineConfig, Grant, InProcessStore, TcpConfig, TransportKind,
+};
 use serde::{Deserialize, Serialize};
 
 /// What a peer announces.
@@ -56,12 +58,14 @@ pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()
                 .build()?;
             rt.block_on(async {
                 let name = format!("bench-peer-{}", std::process::id());
-                let mut cfg = EngineConfig::new(name)
+                let kind = if mode == PeerMode::ShmEngine {
+                    TransportKind::Shm
+                } else {
+                    TransportKind::Tcp
+                };
+                let cfg = EngineConfig::for_kind(name, kind)
                     .store(InProcessStore::new())
-                    .tcp_config(tcp);
-                if mode == PeerMode::ShmEngine {
-                    cfg = cfg.shm_config(omnirig_transports::ShmConfig::default());
-                }
+                    .with(tcp);
                 let engine = Engine::new(cfg).await?;
                 let wbuf = engine.allocate(max_size)?;
                 let rbuf = engine.allocate(max_size)?;

@@ -22,7 +22,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use omnirig_fixtures::{PayloadKind, RequestSpec, TensorSpec};
 use omnirig_harness::Scenario;
-use omnirig_transports::{Engine, TcpConfig};
+use omnirig_transports::{Engine, TcpConfig, TransportKind};
 
 use super::hop::{
     ConsumerProcess, HopPayload, Producer, Python, Scratch, connect_producer, engine_config,
@@ -47,8 +47,8 @@ pub struct Options {
     pub tcp: TcpConfig,
     /// Registered receive pool per stage (reservations wait for room: backpressure).
     pub pool_bytes: u64,
-    /// omnirig's transport between the stage processes: "tcp" or "shm".
-    pub transport: &'static str,
+    /// omnirig's transport between the stage processes (one that crosses processes).
+    pub transport: TransportKind,
     /// Stage hops: grant each handoff's destination ahead.
     pub credits: bool,
 }
@@ -84,7 +84,7 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
     let rows = rt.block_on(suite(o))?;
     Ok(Results {
         suite: "pipeline".into(),
-        transport: o.transport.into(),
+        transport: o.transport.to_string(),
         rows,
     })
 }

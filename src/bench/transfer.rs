@@ -8,24 +8,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use omnirig_transports::memory::Region;
 use omnirig_transports::{
-    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig,
-    TransportPolicy,
+    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, Request, TcpConfig, TransportKind,
 };
 
 use super::peer::{PeerMode, PeerProcess, RAW_HEADER, read_exact_polled, write_all_polled};
 use super::{Results, Row, Samples, human_size, iterations};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Which {
-    Loopback,
-    Tcp,
-    /// Two processes of this host over shared memory; the baseline is memcpy.
-    Shm,
-}
-
 #[derive(Debug, Clone)]
 pub struct Options {
-    pub transport: Which,
+    pub transport: TransportKind,
     pub sizes: Vec<u64>,
     /// Bytes to move per size and op (bounds iterations for large sizes).
     pub budget: u64,
@@ -45,19 +36,15 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    // Each transport has its own physical baseline, so its own suite.
     let rows = match o.transport {
-        Which::Loopback => rt.block_on(loopback(o, max))?,
-        Which::Tcp => rt.block_on(tcp(o, max))?,
-        Which::Shm => rt.block_on(shm(o, max))?,
+        TransportKind::Loopback => rt.block_on(loopback(o, max))?,
+        TransportKind::Tcp => rt.block_on(tcp(o, max))?,
+        TransportKind::Shm => rt.block_on(shm(o, max))?,
     };
     Ok(Results {
         suite: "transfer".into(),
-        transport: match o.transport {
-            Which::Loopback => "loopback",
-            Which::Tcp => "tcp",
-            Which::Shm => "shm",
-        }
-        .into(),
+        transport: o.transport.to_string(),
         rows,
     })
 }
@@ -78,12 +65,7 @@ async fn time_engine(engine: &Engine, req: Request, iters: usize) -> anyhow::Res
 
 async fn loopback(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     let store = InProcessStore::new();
-    let cfg = |n: &str| {
-        EngineConfig::new(n)
-            .store(store.clone())
-            .policy(TransportPolicy::Only("loopback"))
-            .tcp_listen(None)
-    };
+    let cfg = |n: &str| EngineConfig::for_kind(n, TransportKind::Loopback).store(store.clone());
     let a = Engine::new(cfg("bench-a")).await?;
     let b = Engine::new(cfg("bench-b")).await?;
     let src = a.allocate(max)?;
@@ -94,14 +76,26 @@ async fn loopback(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     rsrc.fill(0, max, |x| x.fill(0x5a))?;
     let rg = b.grant(&rsrc, 0, max, Access::Read)?;
     let landing = a.allocate(max)?;
-    let rows = rows_against_memcpy("loopback", o, max, &a, (&src, &wg), (&landing, &rg)).await?;
+    let rows = rows_against_memcpy(
+        TransportKind::Loopback,
+        o,
+        max,
+        &a,
+        (&src, &wg),
+        (&landing, &rg),
+    )
+    .await?;
     check_landed(&b, &dst, &wg, 0x5a, max)?;
     Ok(rows)
 }
 
 /// The peer process fills its read buffer with (i * 7 + 3); the last read must have brought
 /// that, so the benchmark moved real bytes.
-fn check_peer_pattern(landing: &Buffer, o: &Options, transport: &str) -> anyhow::Result<()> {
+fn check_peer_pattern(
+    landing: &Buffer,
+    o: &Options,
+    transport: TransportKind,
+) -> anyhow::Result<()> {
     let last = *o.sizes.last().expect("sizes");
     let ok = landing.view(0, last, |b| {
         b.iter().enumerate().all(|(i, &x)| x == (i * 7 + 3) as u8)
@@ -115,7 +109,7 @@ fn check_peer_pattern(landing: &Buffer, o: &Options, transport: &str) -> anyhow:
 /// A write and a read row per size, each against memcpy between two page-aligned buffers,
 /// reused as the engine's are (the floor of a one-copy data path).
 async fn rows_against_memcpy(
-    transport: &str,
+    transport: TransportKind,
     o: &Options,
     max: u64,
     a: &Engine,
@@ -249,10 +243,9 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     let engine_peer = PeerProcess::spawn(PeerMode::Engine, max, &o.tcp)?;
     let raw_peer = PeerProcess::spawn(PeerMode::Raw, max, &o.tcp)?;
     let a = Engine::new(
-        EngineConfig::new(format!("bench-{}", std::process::id()))
+        EngineConfig::for_kind(format!("bench-{}", std::process::id()), TransportKind::Tcp)
             .store(InProcessStore::new())
-            .policy(TransportPolicy::Only("tcp"))
-            .tcp_config(o.tcp.clone()),
+            .with(o.tcp.clone()),
     )
     .await?;
     let info = a.connect_addr(engine_peer.hello.addr).await?;
@@ -300,7 +293,7 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         let r = time_engine(&a, Request::read(&landing, 0, &rg, 0, size), iters).await?;
         rows.push(Row::new("read", size, &r, name, &br));
     }
-    check_peer_pattern(&landing, o, "tcp")?;
+    check_peer_pattern(&landing, o, TransportKind::Tcp)?;
     Ok(rows)
 }
 
@@ -310,11 +303,9 @@ async fn shm(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     progress("starting the engine peer process (shm)");
     let peer = PeerProcess::spawn(PeerMode::ShmEngine, max, &o.tcp)?;
     let a = Engine::new(
-        EngineConfig::new(format!("bench-{}", std::process::id()))
+        EngineConfig::for_kind(format!("bench-{}", std::process::id()), TransportKind::Shm)
             .store(InProcessStore::new())
-            .policy(TransportPolicy::Only("shm"))
-            .tcp_config(o.tcp.clone())
-            .shm_config(omnirig_transports::ShmConfig::default()),
+            .with(o.tcp.clone()),
     )
     .await?;
     let info = a.connect_addr(peer.hello.addr).await?;
@@ -335,8 +326,9 @@ async fn shm(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     let src = a.allocate(max)?;
     src.fill(0, max, |x| x.fill(0x5a))?;
     let landing = a.allocate(max)?;
-    let rows = rows_against_memcpy("shm", o, max, &a, (&src, &wg), (&landing, &rg)).await?;
-    check_peer_pattern(&landing, o, "shm")?;
+    let rows =
+        rows_against_memcpy(TransportKind::Shm, o, max, &a, (&src, &wg), (&landing, &rg)).await?;
+    check_peer_pattern(&landing, o, TransportKind::Shm)?;
     Ok(rows)
 }
 
@@ -344,7 +336,8 @@ async fn shm(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
 pub fn verdicts(r: &Results) -> Vec<String> {
     let mut out = Vec::new();
     let big: Vec<&Row> = r.rows.iter().filter(|x| x.size >= 1 << 20).collect();
-    if r.transport == "shm" {
+    let kind = r.transport.parse::<TransportKind>().ok();
+    if kind == Some(TransportKind::Shm) {
         // No issue sets a figure for shm; say where it stands against its floor.
         if let Some(min) = big.iter().min_by(|a, b| a.ratio.total_cmp(&b.ratio)) {
             out.push(format!(
@@ -357,7 +350,7 @@ pub fn verdicts(r: &Results) -> Vec<String> {
         return out;
     }
     if let Some(min) = big.iter().min_by(|a, b| a.ratio.total_cmp(&b.ratio)) {
-        let (base, need) = if r.transport == "tcp" {
+        let (base, need) = if kind == Some(TransportKind::Tcp) {
             ("raw socket", 0.9)
         } else {
             ("memcpy", 0.9)
@@ -371,7 +364,7 @@ pub fn verdicts(r: &Results) -> Vec<String> {
             human_size(min.size)
         ));
     }
-    if r.transport == "tcp"
+    if kind == Some(TransportKind::Tcp)
         && let Some(w4k) = r.rows.iter().find(|x| x.op == "write" && x.size == 4096)
     {
         let lat = w4k.omnirig.p50_us / w4k.baseline.p50_us;

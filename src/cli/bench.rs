@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use omnirig_transports::TcpConfig;
+use omnirig_transports::{TcpConfig, TransportKind};
 
 use crate::bench::{self, hop, parse_sizes, peer, pipeline, transfer};
 
@@ -49,8 +49,8 @@ pub struct CommonArgs {
     pub json: Option<PathBuf>,
     /// omnirig's transport between the processes: tcp, or shm (same host: sealed memfds, one
     /// copy by the grant owner).
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
-    pub transport: String,
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
+    pub transport: TransportKind,
     /// Stage hops: ask for each handoff's destination with an offer instead of having the
     /// consumer grant it ahead (credits: granted when the request is announced and again
     /// with each ack, so a handoff is write -> packet -> ack).
@@ -162,8 +162,8 @@ fn emit(
 
 #[derive(clap::Args, Debug)]
 pub struct TransferArgs {
-    #[arg(long, value_enum, default_value = "tcp")]
-    transport: transfer::Which,
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
+    transport: TransportKind,
     /// Sizes, comma separated, with K/M/G binary suffixes.
     #[arg(long, default_value = "4K,64K,1M,16M,64M,256M")]
     sizes: String,
@@ -278,7 +278,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     }
                 },
                 cpus: bench::cpus::parse(&a.cpus)?,
-                transport: hop::parse_transport(&a.common.transport)?,
+                transport: hop::process_transport(a.common.transport)?,
                 credits: !a.common.no_credits,
             };
             let results = hop::run(&opts)?;
@@ -309,7 +309,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 script: a.common.script(),
                 tcp: TcpConfig::default(),
                 pool_bytes: one_size(&a.pool, "pool")?,
-                transport: hop::parse_transport(&a.common.transport)?,
+                transport: hop::process_transport(a.common.transport)?,
                 credits: !a.common.no_credits,
             };
             let results = pipeline::run(&opts)?;

@@ -16,9 +16,9 @@ pub struct RunArgs {
     /// go over tcp on 127.0.0.1 instead; tcp and shm hops keep their transport.
     #[arg(long)]
     processes: bool,
-    /// Use this transport for every hop (loopback, tcp, shm), overriding the scenario.
-    #[arg(long)]
-    transport: Option<String>,
+    /// Use this transport for every hop, overriding the scenario.
+    #[arg(long, value_enum)]
+    transport: Option<omnirig_transports::TransportKind>,
     /// Requests in flight at most, overriding the scenario.
     #[arg(long)]
     concurrency: Option<usize>,
@@ -37,7 +37,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(p) => p.display().to_string(),
         None => "the default scenario".into(),
     };
-    if let Some(t) = &args.transport {
+    if let Some(t) = args.transport {
         scenario = scenario.with_transport(t);
     }
     if let Some(c) = args.concurrency {

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 
 use omnirig_fixtures::Stage;
+use omnirig_transports::TransportKind;
 
 #[derive(clap::Args, Debug)]
 pub struct StageArgs {
@@ -13,16 +14,12 @@ pub struct StageArgs {
     /// The orchestrator's control address.
     #[arg(long)]
     orchestrator: SocketAddr,
-    /// The inbound hop's transport.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
-    in_transport: String,
-    /// The outbound hop's transport.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm"])]
-    out_transport: String,
-}
-
-fn transport(s: &str) -> &'static str {
-    if s == "shm" { "shm" } else { "tcp" }
+    /// The inbound hop's transport (one that crosses processes).
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
+    in_transport: TransportKind,
+    /// The outbound hop's transport (one that crosses processes).
+    #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
+    out_transport: TransportKind,
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
@@ -30,11 +27,12 @@ pub fn run(args: StageArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    // Kinds that cannot cross processes are refused there, by name.
     rt.block_on(omnirig_harness::process::run_stage_process(
         stage,
         args.orchestrator,
-        transport(&args.in_transport),
-        transport(&args.out_transport),
+        args.in_transport,
+        args.out_transport,
     ))?;
     Ok(())
 }

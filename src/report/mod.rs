@@ -117,6 +117,28 @@ pub fn load(path: &Path) -> anyhow::Result<Input> {
     }
 }
 
+/// The benchmark results among `inputs` as markdown tables, one per file, in the order given;
+/// run reports are skipped (their plots say more). Errors if there is no benchmark result.
+pub fn markdown(inputs: &[PathBuf]) -> anyhow::Result<String> {
+    let mut out = String::new();
+    for p in inputs {
+        if let Input::Bench(r) = load(p)? {
+            if !out.is_empty() {
+                out.push('\n');
+            }
+            out += &format!(
+                "<!-- written by `omnirig report --markdown` from {} -->\n",
+                p.display()
+            );
+            out += &r.markdown();
+        }
+    }
+    if out.is_empty() {
+        anyhow::bail!("no benchmark results among the inputs (run reports have no table)");
+    }
+    Ok(out)
+}
+
 /// Renders every plot the inputs allow into `out`; returns the files written.
 pub fn render(inputs: &[PathBuf], out: &Path) -> anyhow::Result<Vec<PathBuf>> {
     register_font();
@@ -993,6 +1015,11 @@ mod tests {
             write(&dir, "p.json", &pipe),
             run,
         ];
+        // One markdown table per benchmark file, none for the run report.
+        let md = markdown(&inputs).unwrap();
+        assert_eq!(md.matches("### ").count(), 3, "{md}");
+        assert!(md.contains("### pipeline over tcp"), "{md}");
+        assert!(markdown(&inputs[3..]).is_err());
         let out = dir.join("plots");
         let files = render(&inputs, &out).unwrap();
         for name in [

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -13,26 +13,32 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::batch::{Batch, BatchShared, Liveness, TaskState, slices};
 use crate::error::{Error, ErrorKind, Result};
-use crate::grant::{Access, Admitted, Grant, GrantRef, GrantSpec, GrantTable};
+use crate::grant::{
+    Access, Admitted, Grant, GrantKey, GrantRef, GrantSpec, GrantTable, MAX_KEY_BYTES,
+};
 use crate::memory::Region;
 use crate::metadata::{InProcessStore, MetadataStore};
-use crate::segment::{BufferDescriptor, MemoryKind, SegmentDescriptor, validate_name};
-use crate::transport::loopback::{self, LoopbackTransport};
-use crate::transport::shm::{ShmConfig, ShmEndpoint, ShmServer, ShmTransport};
-use crate::transport::tcp::{self, TcpConfig, TcpServer, TcpTransport};
-use crate::transport::{Link, LinkInfo, OpKind, SliceOp, Transport};
+use crate::segment::{BufferDescriptor, Endpoint, MemoryKind, SegmentDescriptor, validate_name};
+use crate::transport::tcp;
+use crate::transport::{
+    Admission, Link, LinkInfo, MemoryProvider, OpKind, SliceOp, Transport, TransportKind,
+    TransportSetup, default_setup,
+};
 
 /// Which transports an engine may select for its peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TransportPolicy {
-    /// Loopback for engines in this process, tcp for the rest.
+    /// The first of the engine's transports (in [`TransportKind::ALL`] order: same process,
+    /// same host, anywhere) that reaches the peer.
     #[default]
     Auto,
-    /// Only the named transport ("loopback" or "tcp", or a custom transport's name).
-    Only(&'static str),
+    /// Only this kind of transport.
+    Only(TransportKind),
 }
 
-/// Wraps every transport the engine builds (fault injection, tracing, ...).
+/// Wraps every transport the engine builds (fault injection, tracing, ...). A decorator sees
+/// the data path only (`reaches`, `connect` and the links); the engine calls a transport's
+/// hooks, endpoint and memory provider on the transport itself.
 pub type TransportDecorator = Arc<dyn Fn(Arc<dyn Transport>) -> Arc<dyn Transport> + Send + Sync>;
 
 /// How to build an engine.
@@ -40,56 +46,81 @@ pub type TransportDecorator = Arc<dyn Fn(Arc<dyn Transport>) -> Arc<dyn Transpor
 pub struct EngineConfig {
     /// The segment name peers use to find this engine.
     pub name: String,
-    /// Where to listen for TCP peers; `None` disables the TCP server (loopback only).
-    pub tcp_listen: Option<SocketAddr>,
-    pub tcp: TcpConfig,
-    /// Slice size for loopback copies: between slices the copy yields, so deadlines and
-    /// cancels stay prompt.
-    pub loopback_slice: u64,
+    /// The transports to start, each with its own config (see [`crate::transport::default_setup`]);
+    /// at most one per kind.
+    pub transports: Vec<Arc<dyn TransportSetup>>,
     pub policy: TransportPolicy,
-    /// Lock registered pages in RAM (best effort).
+    /// Lock every buffer's pages in RAM (mlock), best effort: [`Usage::locked_bytes`] says
+    /// how much was locked.
     pub lock_memory: bool,
     /// Where to publish and look up descriptors; `None` uses the process-wide in-process store.
     pub store: Option<Arc<dyn MetadataStore>>,
     pub decorator: Option<TransportDecorator>,
-    /// Enables the shm transport: buffers are allocated shareable (sealed memfds), an shm
-    /// endpoint serves peers of this host, and peers of this host that have one are reached
-    /// through it (before tcp). `None`: off.
-    pub shm: Option<ShmConfig>,
 }
 
 impl std::fmt::Debug for EngineConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineConfig")
             .field("name", &self.name)
-            .field("tcp_listen", &self.tcp_listen)
-            .field("tcp", &self.tcp)
-            .field("loopback_slice", &self.loopback_slice)
+            .field(
+                "transports",
+                &self.transports.iter().map(|t| t.kind()).collect::<Vec<_>>(),
+            )
             .field("policy", &self.policy)
+            .field("lock_memory", &self.lock_memory)
             .finish_non_exhaustive()
     }
 }
 
 impl EngineConfig {
-    /// Defaults: TCP on an ephemeral port of 127.0.0.1, loopback for local peers, the
-    /// process-wide metadata store.
+    /// Defaults: loopback for engines of this process, tcp (on an ephemeral port of
+    /// 127.0.0.1) for the rest, the process-wide metadata store.
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             name: name.into(),
-            tcp_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
-            tcp: TcpConfig::default(),
-            loopback_slice: 256 << 20,
+            transports: vec![
+                default_setup(TransportKind::Loopback),
+                default_setup(TransportKind::Tcp),
+            ],
             policy: TransportPolicy::Auto,
             lock_memory: false,
             store: None,
             decorator: None,
-            shm: None,
         }
     }
 
-    /// Turns the shm transport on (see [`EngineConfig::shm`]).
-    pub fn shm_config(mut self, shm: ShmConfig) -> Self {
-        self.shm = Some(shm);
+    /// The engine for one transport kind, with that kind's default config: the one place
+    /// callers build "an engine over X". Peers are reached only over `kind`. Kinds that cross
+    /// processes also run tcp, which serves the descriptor handshake
+    /// ([`Engine::connect_addr`]); loopback runs alone.
+    pub fn for_kind(name: impl Into<String>, kind: TransportKind) -> Self {
+        let mut c = Self::new(name).policy(TransportPolicy::Only(kind));
+        c.transports.clear();
+        c = c.with_setup(default_setup(kind));
+        if kind.crosses_processes() && kind != TransportKind::Tcp {
+            c = c.with_setup(default_setup(TransportKind::Tcp));
+        }
+        c
+    }
+
+    /// Adds a transport, or replaces the config of one of the same kind.
+    pub fn with(self, setup: impl TransportSetup) -> Self {
+        self.with_setup(Arc::new(setup))
+    }
+
+    /// As [`with`](Self::with), for a shared setup.
+    pub fn with_setup(mut self, setup: Arc<dyn TransportSetup>) -> Self {
+        let kind = setup.kind();
+        match self.transports.iter_mut().find(|t| t.kind() == kind) {
+            Some(t) => *t = setup,
+            None => self.transports.push(setup),
+        }
+        self
+    }
+
+    /// Drops the transport of `kind`, if configured.
+    pub fn without(mut self, kind: TransportKind) -> Self {
+        self.transports.retain(|t| t.kind() != kind);
         self
     }
 
@@ -103,18 +134,13 @@ impl EngineConfig {
         self
     }
 
-    pub fn tcp_listen(mut self, addr: Option<SocketAddr>) -> Self {
-        self.tcp_listen = addr;
-        self
-    }
-
-    pub fn tcp_config(mut self, tcp: TcpConfig) -> Self {
-        self.tcp = tcp;
-        self
-    }
-
     pub fn decorator(mut self, d: TransportDecorator) -> Self {
         self.decorator = Some(d);
+        self
+    }
+
+    pub fn lock_memory(mut self, lock: bool) -> Self {
+        self.lock_memory = lock;
         self
     }
 }
@@ -131,8 +157,10 @@ pub struct Usage {
     pub leases: usize,
     pub batches: usize,
     pub tasks: usize,
-    /// Open TCP connections, both directions.
+    /// Open transport connections, both directions.
     pub connections: usize,
+    /// Registered bytes locked in RAM (see [`EngineConfig::lock_memory`]).
+    pub locked_bytes: u64,
 }
 
 struct BufferEntry {
@@ -149,16 +177,65 @@ pub(crate) struct EngineCore {
     buffers: RwLock<HashMap<u32, Arc<BufferEntry>>>,
     grants: Mutex<GrantTable>,
     closed: AtomicBool,
-    tcp_addr: Mutex<Option<SocketAddr>>,
-    shm: Mutex<Option<ShmEndpoint>>,
-    /// Allocate shareable (memfd) regions: the shm transport is on.
-    shareable: bool,
+    /// What the transports publish, once they started.
+    endpoints: Mutex<Vec<Endpoint>>,
+    /// The transports themselves (undecorated), for hooks; set once they started.
+    transports: OnceLock<Vec<Arc<dyn Transport>>>,
+    /// The one transport-provided allocator, if any.
+    provider: OnceLock<Arc<dyn MemoryProvider>>,
+    lock_memory: bool,
     next_buffer: AtomicU32,
 }
 
+/// The grant table, locked; when the lock is released, the transports hear of every peer
+/// grant revoked meanwhile (whatever the path: revoke, expiry, shutdown).
+struct Grants<'a> {
+    table: Option<std::sync::MutexGuard<'a, GrantTable>>,
+    core: &'a EngineCore,
+}
+
+impl std::ops::Deref for Grants<'_> {
+    type Target = GrantTable;
+    fn deref(&self) -> &GrantTable {
+        self.table.as_ref().expect("held until drop")
+    }
+}
+
+impl std::ops::DerefMut for Grants<'_> {
+    fn deref_mut(&mut self) -> &mut GrantTable {
+        self.table.as_mut().expect("held until drop")
+    }
+}
+
+impl Drop for Grants<'_> {
+    fn drop(&mut self) {
+        let Some(mut table) = self.table.take() else {
+            return;
+        };
+        let revoked = table.take_revoked();
+        drop(table);
+        for g in &revoked {
+            for t in self.core.hooks() {
+                t.on_revoke(g);
+            }
+        }
+    }
+}
+
 impl EngineCore {
-    fn grants(&self) -> std::sync::MutexGuard<'_, GrantTable> {
-        self.grants.lock().unwrap_or_else(|p| p.into_inner())
+    fn grants(&self) -> Grants<'_> {
+        Grants {
+            table: Some(self.grants.lock().unwrap_or_else(|p| p.into_inner())),
+            core: self,
+        }
+    }
+
+    fn hooks(&self) -> &[Arc<dyn Transport>] {
+        self.transports.get().map_or(&[], |v| v.as_slice())
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     fn buffer(&self, id: u32) -> Option<Arc<BufferEntry>> {
@@ -207,13 +284,15 @@ impl EngineCore {
             })
             .collect();
         buffers.sort_by_key(|b| b.id);
-        SegmentDescriptor {
-            name: self.name.clone(),
-            instance: self.instance,
-            tcp: *self.tcp_addr.lock().unwrap_or_else(|p| p.into_inner()),
+        SegmentDescriptor::new(
+            self.name.clone(),
+            self.instance,
             buffers,
-            shm: self.shm.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-        }
+            self.endpoints
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        )
     }
 
     /// Takes a lease on a local range for the span of one access or one transfer; returns its
@@ -387,8 +466,15 @@ impl Request {
     }
 
     /// The slice of this request at `offset..offset+len` (relative to the request).
-    fn slice(&self, local: &Arc<Region>, offset: u64, len: u64) -> SliceOp {
+    fn slice(
+        &self,
+        local: &Arc<Region>,
+        key: &Option<Arc<[u8]>>,
+        offset: u64,
+        len: u64,
+    ) -> SliceOp {
         SliceOp {
+            key: key.clone(),
             kind: self.kind,
             local: local.clone(),
             local_offset: self.local_offset + offset,
@@ -450,15 +536,13 @@ struct Peer {
 
 struct EngineInner {
     core: Arc<EngineCore>,
+    /// Decorated (as the config asks), in order of preference: the data path.
     transports: Vec<Arc<dyn Transport>>,
     policy: TransportPolicy,
-    tcp_cfg: TcpConfig,
     store: Arc<dyn MetadataStore>,
     peers: tokio::sync::Mutex<HashMap<String, Arc<Peer>>>,
     /// Descriptors learned by handshake, for peers not in the store.
     known: Mutex<HashMap<String, SegmentDescriptor>>,
-    server: Mutex<Option<TcpServer>>,
-    shm_server: Mutex<Option<ShmServer>>,
     next_batch: AtomicU64,
     shutdown: CancellationToken,
 }
@@ -478,17 +562,23 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    /// Builds the engine: binds its TCP endpoint (if any), makes it reachable by loopback,
-    /// and publishes its descriptor.
+    /// Builds the engine: starts its transports (binding their endpoints), and publishes its
+    /// descriptor.
     pub async fn new(cfg: EngineConfig) -> Result<Engine> {
         validate_name(&cfg.name)?;
-        if cfg.tcp.max_payload < cfg.tcp.slice_size {
+        let mut setups = cfg.transports.clone();
+        if setups.is_empty() {
             return Err(Error::new(
                 ErrorKind::Resource,
-                format!(
-                    "tcp max_payload {} < slice_size {}",
-                    cfg.tcp.max_payload, cfg.tcp.slice_size
-                ),
+                format!("engine {} has no transport configured", cfg.name),
+            ));
+        }
+        // In order of preference: same process, same host, anywhere.
+        setups.sort_by_key(|t| t.kind().preference());
+        if let Some(w) = setups.windows(2).find(|w| w[0].kind() == w[1].kind()) {
+            return Err(Error::new(
+                ErrorKind::Resource,
+                format!("engine {} configures {} twice", cfg.name, w[0].kind()),
             ));
         }
         let live = Arc::new(Liveness::default());
@@ -499,63 +589,84 @@ impl Engine {
             buffers: RwLock::default(),
             grants: Mutex::default(),
             closed: AtomicBool::new(false),
-            tcp_addr: Mutex::new(None),
-            shm: Mutex::new(None),
-            shareable: cfg.shm.is_some(),
+            endpoints: Mutex::default(),
+            transports: OnceLock::new(),
+            provider: OnceLock::new(),
+            lock_memory: cfg.lock_memory,
             next_buffer: AtomicU32::new(1),
         });
-        let server = match cfg.tcp_listen {
-            Some(addr) => {
-                let s = TcpServer::bind(addr, core.clone(), cfg.tcp.clone()).await?;
-                *core.tcp_addr.lock().unwrap_or_else(|p| p.into_inner()) = Some(s.addr);
-                Some(s)
+        let admission = Admission::new(&core);
+        let mut started: Vec<Arc<dyn Transport>> = Vec::with_capacity(setups.len());
+        let mut endpoints = Vec::new();
+        let mut provider: Option<(TransportKind, Arc<dyn MemoryProvider>)> = None;
+        for setup in &setups {
+            let step = async {
+                let t = setup.start(admission.clone()).await?;
+                if let Some(p) = t.memory() {
+                    if let Some((other, _)) = &provider {
+                        t.shutdown();
+                        return Err(Error::new(
+                            ErrorKind::Resource,
+                            format!(
+                                "transports {other} and {} both want to allocate the engine's memory",
+                                t.kind()
+                            ),
+                        ));
+                    }
+                    provider = Some((t.kind(), p));
+                }
+                Ok(t)
+            };
+            match step.await {
+                Ok(t) => {
+                    endpoints.extend(t.endpoint());
+                    started.push(t);
+                }
+                Err(e) => {
+                    for t in &started {
+                        t.shutdown();
+                    }
+                    return Err(e);
+                }
             }
-            None => None,
-        };
-        let shm_server = match &cfg.shm {
-            Some(c) => {
-                let s = ShmServer::bind(core.clone(), c.clone()).await?;
-                *core.shm.lock().unwrap_or_else(|p| p.into_inner()) = Some(s.endpoint.clone());
-                Some(s)
-            }
-            None => None,
-        };
-        let wrap = |t: Arc<dyn Transport>| match &cfg.decorator {
-            Some(d) => d(t),
-            None => t,
-        };
-        // In order of preference: same process, same host, anywhere.
-        let mut transports = vec![wrap(Arc::new(LoopbackTransport::new(cfg.loopback_slice)))];
-        if let Some(c) = &cfg.shm {
-            transports.push(wrap(Arc::new(ShmTransport::new(c.clone(), live.clone()))));
         }
-        transports.push(wrap(Arc::new(TcpTransport::new(
-            cfg.tcp.clone(),
-            cfg.name.clone(),
-            live,
-        ))));
+        *core.endpoints.lock().unwrap_or_else(|p| p.into_inner()) = endpoints;
+        if let Some((_, p)) = provider {
+            let _ = core.provider.set(p);
+        }
+        let _ = core.transports.set(started.clone());
+        let transports = started
+            .into_iter()
+            .map(|t| match &cfg.decorator {
+                Some(d) => d(t),
+                None => t,
+            })
+            .collect();
         let store = cfg
             .store
             .clone()
             .unwrap_or_else(|| InProcessStore::global() as Arc<dyn MetadataStore>);
-        store.publish(core.descriptor()).await?;
-        loopback::register(&core);
-        info!(engine = %cfg.name, tcp = ?core.descriptor().tcp, "engine started");
-        Ok(Engine {
+        let engine = Engine {
             inner: Arc::new(EngineInner {
                 core,
                 transports,
                 policy: cfg.policy,
-                tcp_cfg: cfg.tcp,
                 store,
                 peers: Default::default(),
                 known: Default::default(),
-                server: Mutex::new(server),
-                shm_server: Mutex::new(shm_server),
                 next_batch: AtomicU64::new(1),
                 shutdown: CancellationToken::new(),
             }),
-        })
+        };
+        // On failure, dropping `engine` shuts the transports down again.
+        engine.inner.store.publish(engine.descriptor()).await?;
+        info!(
+            engine = %cfg.name,
+            transports = ?setups.iter().map(|t| t.kind()).collect::<Vec<_>>(),
+            endpoints = ?engine.descriptor().endpoints.iter().map(|e| e.kind).collect::<Vec<_>>(),
+            "engine started"
+        );
+        Ok(engine)
     }
 
     pub fn name(&self) -> &str {
@@ -567,8 +678,9 @@ impl Engine {
         self.inner.core.descriptor()
     }
 
+    /// The address of this engine's tcp endpoint, if it runs tcp with a listener.
     pub fn tcp_addr(&self) -> Option<SocketAddr> {
-        self.descriptor().tcp
+        tcp::endpoint_addr(&self.descriptor())
     }
 
     /// Publishes the current descriptor (buffer list) to the metadata store again.
@@ -576,10 +688,31 @@ impl Engine {
         self.inner.store.publish(self.descriptor()).await
     }
 
-    fn add_buffer(&self, region: Region) -> Buffer {
+    /// Registers a region: every transport hears of it first, and any may refuse.
+    fn add_buffer(&self, region: Region) -> Result<Buffer> {
         let core = &self.inner.core;
+        if core.is_closed() {
+            return Err(Error::new(ErrorKind::EngineClosed, "engine is shut down"));
+        }
         let id = core.next_buffer.fetch_add(1, Ordering::Relaxed);
         let region = Arc::new(region);
+        let hooks = core.hooks();
+        for (i, t) in hooks.iter().enumerate() {
+            if let Err(e) = t.on_register(id, &region) {
+                for done in &hooks[..i] {
+                    done.on_unregister(id, &region);
+                }
+                return Err(Error::new(
+                    e.kind(),
+                    format!(
+                        "the {} transport refused to register {} bytes: {}",
+                        t.kind(),
+                        region.len(),
+                        e.detail()
+                    ),
+                ));
+            }
+        }
         core.buffers
             .write()
             .unwrap_or_else(|p| p.into_inner())
@@ -590,42 +723,40 @@ impl Engine {
                     inflight: AtomicUsize::new(0),
                 }),
             );
-        debug!(engine = %core.name, buffer = id, bytes = region.len(), "registered");
-        Buffer {
+        debug!(engine = %core.name, buffer = id, bytes = region.len(), locked = region.is_locked(), "registered");
+        Ok(Buffer {
             id,
             region,
             core: Arc::downgrade(core),
-        }
+        })
     }
 
-    /// Allocates and registers `len` zeroed, page-aligned bytes.
+    /// Allocates and registers `len` zeroed, page-aligned bytes (by the transport that
+    /// provides memory, if one does; locked when [`EngineConfig::lock_memory`] is set).
     pub fn allocate(&self, len: u64) -> Result<Buffer> {
-        let len = usize::try_from(len).map_err(|_| {
-            Error::new(
-                ErrorKind::InvalidLength,
-                format!("{len} bytes does not fit in memory"),
-            )
-        })?;
-        Ok(self.add_buffer(self.region(len, false)?))
-    }
-
-    fn region(&self, len: usize, lock: bool) -> Result<Region> {
-        if self.inner.core.shareable {
-            Region::allocate_shared(len, lock)
-        } else {
-            Region::allocate(len, lock)
-        }
+        self.allocate_with(len, self.inner.core.lock_memory)
     }
 
     /// Allocates, registers and locks (mlock, best effort) `len` bytes.
     pub fn allocate_locked(&self, len: u64) -> Result<Buffer> {
+        self.allocate_with(len, true)
+    }
+
+    fn allocate_with(&self, len: u64, lock: bool) -> Result<Buffer> {
         let len = usize::try_from(len).map_err(|_| {
             Error::new(
                 ErrorKind::InvalidLength,
                 format!("{len} bytes does not fit in memory"),
             )
         })?;
-        Ok(self.add_buffer(self.region(len, true)?))
+        let mut region = match self.inner.core.provider.get() {
+            Some(p) => p.allocate(len)?.with_provider(p.clone()),
+            None => Region::allocate(len, false)?,
+        };
+        if lock && !region.lock_pages() {
+            debug!(engine = %self.name(), bytes = len, "mlock refused; buffer stays unlocked");
+        }
+        self.add_buffer(region)
     }
 
     /// Registers caller-owned memory.
@@ -642,7 +773,7 @@ impl Engine {
     ) -> Result<Buffer> {
         // SAFETY: forwarded contract.
         let region = unsafe { Region::adopt(ptr, len, release) }?;
-        Ok(self.add_buffer(region))
+        self.add_buffer(region)
     }
 
     /// Unregisters a buffer. Refused with `BufferBusy` while it has live grants, leases or
@@ -668,7 +799,12 @@ impl Engine {
                 ),
             ));
         }
-        buffers.remove(&buffer.id);
+        let entry = buffers.remove(&buffer.id).expect("looked up above");
+        drop(buffers);
+        drop(grants);
+        for t in core.hooks() {
+            t.on_unregister(buffer.id, &entry.region);
+        }
         Ok(())
     }
 
@@ -713,7 +849,7 @@ impl Engine {
                 format!("buffer {} is not registered here", buffer.id),
             ));
         }
-        let g = core.grants().issue(
+        let mut g = core.grants().issue(
             &core.name,
             GrantSpec {
                 buffer: buffer.id,
@@ -726,8 +862,57 @@ impl Engine {
                 lease: false,
             },
         )?;
+        for t in core.hooks() {
+            let key = t.on_grant(&g, &buffer.region).and_then(|key| match key {
+                Some(bytes) if bytes.is_empty() || bytes.len() > MAX_KEY_BYTES => Err(Error::new(
+                    ErrorKind::Resource,
+                    format!("a {}-byte key (1..={MAX_KEY_BYTES})", bytes.len()),
+                )),
+                k => Ok(k),
+            });
+            match key {
+                Ok(Some(bytes)) => g.keys.push(GrantKey {
+                    kind: t.kind(),
+                    bytes,
+                }),
+                Ok(None) => {}
+                Err(e) => {
+                    // Revoked again: every transport hears of it (those that never saw it
+                    // ignore it), so nothing of the refused grant stays usable.
+                    core.grants().revoke(g.epoch);
+                    return Err(Error::new(
+                        e.kind(),
+                        format!(
+                            "the {} transport refused to grant {offset}+{len} of buffer {}: {}",
+                            t.kind(),
+                            buffer.id,
+                            e.detail()
+                        ),
+                    )
+                    .with_grant(&core.name, g.epoch));
+                }
+            }
+        }
+        if let Some(at) = expires {
+            self.expire_at(at);
+        }
         debug!(engine = %core.name, grant = g.epoch, buffer = g.buffer, offset, len, %access, "granted");
         Ok(g)
+    }
+
+    /// Sweeps expired grants at `at`, so transports hear of the expiry when it happens, not
+    /// at the next use of the table.
+    fn expire_at(&self, at: std::time::Instant) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let core = Arc::downgrade(&self.inner.core);
+        rt.spawn(async move {
+            tokio::time::sleep_until(at.into()).await;
+            if let Some(core) = core.upgrade() {
+                core.grants().sweep(std::time::Instant::now());
+            }
+        });
     }
 
     /// Revokes a grant. When this returns, no access under it is running and none can start:
@@ -758,6 +943,11 @@ impl Engine {
         Usage {
             buffers: buffers.len(),
             registered_bytes: buffers.values().map(|b| b.region.len() as u64).sum(),
+            locked_bytes: buffers
+                .values()
+                .filter(|b| b.region.is_locked())
+                .map(|b| b.region.len() as u64)
+                .sum(),
             grants,
             granted_bytes,
             leases,
@@ -792,13 +982,22 @@ impl Engine {
     /// Learns a peer's descriptor by asking it directly at `addr` (no metadata store needed)
     /// and connects to it.
     pub async fn connect_addr(&self, addr: SocketAddr) -> Result<LinkInfo> {
-        let desc = tcp::describe(
-            addr,
-            self.name(),
-            &self.inner.tcp_cfg,
-            &self.inner.core.live,
-        )
-        .await?;
+        let ask = self
+            .inner
+            .core
+            .hooks()
+            .iter()
+            .find_map(|t| t.describe(addr))
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NoTransport,
+                    format!(
+                        "no transport of engine {} can ask {addr} for its descriptor (tcp can)",
+                        self.name()
+                    ),
+                )
+            })?;
+        let desc = ask.await?;
         let name = desc.name.clone();
         self.inner
             .known
@@ -993,18 +1192,22 @@ async fn run_task(
     let moved = async {
         let peer = inner.peer(&r.grant.segment).await?;
         tracing::Span::current()
-            .record("transport", peer.info.transport)
+            .record("transport", peer.info.transport.as_str())
             .record("device", peer.info.device.as_str());
         let s = peer.link.slicing();
+        // The key for this link's kind, shared by every slice of the task.
+        let key: Option<Arc<[u8]>> = r.grant.key(peer.info.transport).map(Arc::from);
         if r.len <= s.slice_size {
             // One slice: no stream machinery on the latency path.
-            peer.link.execute(r.slice(&p.buf.region, 0, r.len)).await?;
+            peer.link
+                .execute(r.slice(&p.buf.region, &key, 0, r.len))
+                .await?;
             batch.progress(i, r.len);
             return Ok(());
         }
         let mut pending = futures_util::stream::iter(slices(r.len, s.slice_size))
             .map(|(off, len)| {
-                let fut = peer.link.execute(r.slice(&p.buf.region, off, len));
+                let fut = peer.link.execute(r.slice(&p.buf.region, &key, off, len));
                 async move { fut.await.map(|()| len) }
             })
             .buffer_unordered(s.in_flight.max(1));
@@ -1100,9 +1303,10 @@ impl EngineInner {
         if r.len > peer.link.slicing().slice_size {
             return Some((i, p, alive));
         }
-        let op = r.slice(&p.buf.region, 0, r.len);
+        let key = r.grant.key(peer.info.transport).map(Arc::from);
+        let op = r.slice(&p.buf.region, &key, 0, r.len);
         let span = transfer_span(i, r);
-        span.record("transport", peer.info.transport)
+        span.record("transport", peer.info.transport.as_str())
             .record("device", peer.info.device.as_str());
         let started = Instant::now();
         let outcome = match span.in_scope(|| peer.link.execute_inline(&op)) {
@@ -1158,7 +1362,7 @@ impl EngineInner {
         for t in &self.transports {
             let allowed = match self.policy {
                 TransportPolicy::Auto => true,
-                TransportPolicy::Only(name) => t.name() == name,
+                TransportPolicy::Only(kind) => t.kind() == kind,
             };
             if !allowed || !t.reaches(&desc) {
                 continue;
@@ -1169,7 +1373,7 @@ impl EngineInner {
                     info!(
                         engine = %self.core.name,
                         peer = %segment,
-                        transport = info.transport,
+                        transport = info.transport.as_str(),
                         device = %info.device,
                         "selected transport"
                     );
@@ -1178,7 +1382,7 @@ impl EngineInner {
                     return Ok(p);
                 }
                 Err(e) => {
-                    warn!(engine = %self.core.name, peer = %segment, transport = t.name(), error = %e, "connect failed");
+                    warn!(engine = %self.core.name, peer = %segment, transport = t.kind().as_str(), error = %e, "connect failed");
                     last = e.with_peer(segment);
                 }
             }
@@ -1200,15 +1404,22 @@ impl EngineInner {
             return;
         }
         self.shutdown.cancel();
+        // Every grant revoked (transports hear of each), then every buffer unregistered from
+        // the transports, then they stop serving.
         core.grants().revoke_all();
-        loopback::unregister(core.instance);
-        drop(self.server.lock().unwrap_or_else(|p| p.into_inner()).take());
-        drop(
-            self.shm_server
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take(),
-        );
+        let buffers: Vec<(u32, Arc<Region>)> = core
+            .buffers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(&id, b)| (id, b.region.clone()))
+            .collect();
+        for t in core.hooks() {
+            for (id, region) in &buffers {
+                t.on_unregister(*id, region);
+            }
+            t.shutdown();
+        }
         if let Ok(mut peers) = self.peers.try_lock() {
             peers.clear();
         }

@@ -16,6 +16,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::transport::TransportKind;
 
 /// What a grant lets the peer do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -51,10 +52,27 @@ pub struct Grant {
     /// Random; a peer must present it, so grants cannot be guessed from epochs.
     pub token: u64,
     pub access: Access,
+    /// What transports of the granting engine attached for a remote initiator (an RDMA rkey
+    /// and address): opaque bytes per transport kind, bounded, read with [`Grant::key`].
+    #[serde(default)]
+    pub keys: Vec<GrantKey>,
 }
 
+/// One transport's key material inside a grant (see [`crate::Transport::on_grant`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GrantKey {
+    pub kind: TransportKind,
+    #[serde(with = "serde_bytes")]
+    pub bytes: Vec<u8>,
+}
+
+/// Longest key one transport may attach to a grant.
+pub const MAX_KEY_BYTES: usize = 64;
+/// Most keys one grant carries (one per transport kind).
+pub const MAX_GRANT_KEYS: usize = 4;
+
 /// Largest encoded grant accepted from the wire (segment names are short).
-pub const MAX_ENCODED_GRANT: usize = 512;
+pub const MAX_ENCODED_GRANT: usize = 1024;
 
 impl Grant {
     /// Encodes for the control path (msgpack, compact).
@@ -99,7 +117,42 @@ impl Grant {
                 "grant range overflows",
             ));
         }
+        if self.keys.len() > MAX_GRANT_KEYS {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                format!(
+                    "grant carries {} transport keys, limit {MAX_GRANT_KEYS}",
+                    self.keys.len()
+                ),
+            ));
+        }
+        for (i, k) in self.keys.iter().enumerate() {
+            if k.bytes.is_empty() || k.bytes.len() > MAX_KEY_BYTES {
+                return Err(Error::new(
+                    ErrorKind::Malformed,
+                    format!(
+                        "grant's {} key is {} bytes (1..={MAX_KEY_BYTES})",
+                        k.kind,
+                        k.bytes.len()
+                    ),
+                ));
+            }
+            if self.keys[..i].iter().any(|o| o.kind == k.kind) {
+                return Err(Error::new(
+                    ErrorKind::Malformed,
+                    format!("grant carries two {} keys", k.kind),
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The key the granting engine's `kind` transport attached, if any.
+    pub fn key(&self, kind: TransportKind) -> Option<&[u8]> {
+        self.keys
+            .iter()
+            .find(|k| k.kind == kind)
+            .map(|k| k.bytes.as_slice())
     }
 
     /// The wire reference a transport sends with each access.
@@ -281,6 +334,9 @@ pub struct GrantTable {
     leases: usize,
     /// Live grants with an expiry; sweeping is skipped while there are none.
     expiring: usize,
+    /// Peer grants removed since the engine last took them: it tells its transports
+    /// ([`crate::Transport::on_revoke`]) once the table is unlocked.
+    revoked: Vec<GrantRef>,
 }
 
 impl GrantTable {
@@ -333,6 +389,7 @@ impl GrantTable {
             epoch: self.next_epoch,
             token,
             access,
+            keys: Vec::new(),
         };
         self.by_epoch.insert(
             grant.epoch,
@@ -437,7 +494,15 @@ impl GrantTable {
             self.granted_bytes -= g.len;
         }
         entry.fence.revoke();
+        if !entry.lease {
+            self.revoked.push(g.wire());
+        }
         Some(entry)
+    }
+
+    /// Peer grants revoked (by any path) since the last call.
+    pub fn take_revoked(&mut self) -> Vec<GrantRef> {
+        std::mem::take(&mut self.revoked)
     }
 
     /// Revokes a grant: removed from the table, then fenced (waits for accesses in progress).
@@ -719,5 +784,48 @@ mod tests {
             Grant::from_bytes(&overflow.to_bytes()).unwrap_err().kind(),
             ErrorKind::InvalidLength
         );
+        // Transport keys: carried and read back; bounded in size, count and kind.
+        let key = |kind, n: usize| GrantKey {
+            kind,
+            bytes: vec![7; n],
+        };
+        let keyed = Grant {
+            keys: vec![key(TransportKind::Shm, MAX_KEY_BYTES)],
+            ..g.clone()
+        };
+        let back = Grant::from_bytes(&keyed.to_bytes()).unwrap();
+        assert_eq!(
+            back.key(TransportKind::Shm),
+            Some(&[7u8; MAX_KEY_BYTES][..])
+        );
+        assert_eq!(back.key(TransportKind::Tcp), None);
+        for keys in [
+            vec![key(TransportKind::Shm, MAX_KEY_BYTES + 1)],
+            vec![key(TransportKind::Shm, 0)],
+            vec![key(TransportKind::Shm, 1), key(TransportKind::Shm, 1)],
+            vec![key(TransportKind::Tcp, 1); MAX_GRANT_KEYS + 1],
+        ] {
+            let bad = Grant { keys, ..g.clone() };
+            assert_eq!(
+                Grant::from_bytes(&bad.to_bytes()).unwrap_err().kind(),
+                ErrorKind::Malformed
+            );
+        }
+    }
+
+    #[test]
+    fn revoked_peer_grants_are_reported_once_leases_never() {
+        let mut t = GrantTable::default();
+        let g = t
+            .issue("s", spec(0, 1000, 0, 10, Access::Write, None, 1))
+            .unwrap();
+        let mut lease = spec(0, 1000, 100, 10, Access::Write, None, 0);
+        lease.lease = true;
+        let l = t.issue("s", lease).unwrap();
+        assert!(t.revoke(l.epoch));
+        assert!(t.take_revoked().is_empty());
+        assert!(t.revoke(g.epoch));
+        assert_eq!(t.take_revoked(), vec![g.wire()]);
+        assert!(t.take_revoked().is_empty());
     }
 }

@@ -25,10 +25,14 @@ pub use engine::{
     Buffer, Engine, EngineConfig, Request, TransportDecorator, TransportPolicy, Usage,
 };
 pub use error::{Error, ErrorKind, Result};
-pub use grant::{Access, Grant};
+pub use grant::{Access, Grant, GrantKey};
 pub use metadata::{InProcessStore, MetadataStore};
-pub use segment::SegmentDescriptor;
+pub use segment::{Endpoint, SegmentDescriptor};
 pub use transport::fault::{FaultInjector, FaultKind, FaultPoint, FaultRule};
+pub use transport::loopback::LoopbackConfig;
 pub use transport::shm::ShmConfig;
 pub use transport::tcp::TcpConfig;
-pub use transport::{Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+pub use transport::{
+    Admission, Link, LinkInfo, MemoryProvider, OpKind, SliceOp, Slicing, Transport, TransportKind,
+    TransportSetup, default_setup,
+};

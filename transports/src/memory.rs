@@ -18,9 +18,12 @@
 //!   exclude such races in correct use, exactly as with RDMA hardware.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::any::Any;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::transport::MemoryProvider;
 
 /// The page size regions are aligned to.
 pub const PAGE_SIZE: usize = 4096;
@@ -34,13 +37,9 @@ enum Owner {
     Mapped { base: *mut u8, len: usize },
     /// Adopted from the caller; the callback returns it.
     Caller(Option<Box<dyn FnOnce() + Send + Sync>>),
-    /// A shared mapping of a sealed memfd (the shm transport's peers map the same file).
-    Shared {
-        base: *mut u8,
-        len: usize,
-        fd: std::os::fd::OwnedFd,
-        id: u64,
-    },
+    /// Made by a transport's [`crate::transport::MemoryProvider`] (shm: a sealed memfd
+    /// mapping); dropping the backing releases the memory.
+    Backed(Box<dyn Any + Send + Sync>),
 }
 
 /// A span of registered host memory.
@@ -49,6 +48,8 @@ pub struct Region {
     len: usize,
     owner: Owner,
     locked: bool,
+    /// Who allocated it, if a transport's provider did: copies of it are made the same way.
+    provider: Option<Arc<dyn MemoryProvider>>,
 }
 
 // SAFETY: a Region is a pointer to memory that stays valid for its whole life (see the module
@@ -80,8 +81,9 @@ pub fn mem_available() -> Option<u64> {
 /// Refuses a registration larger than the memory this machine has available now: the
 /// harness touches every page it registers and shared regions are populated up front, so
 /// a size taken from input (a benchmark's `--sizes`, a scenario's token counts) would
-/// otherwise grow the process until the kernel kills it.
-fn check_available(len: usize) -> Result<()> {
+/// otherwise grow the process until the kernel kills it. Memory providers of transports
+/// call it too.
+pub fn check_available(len: usize) -> Result<()> {
     match mem_available() {
         Some(avail) if len as u64 > avail => Err(Error::new(
             ErrorKind::Resource,
@@ -128,6 +130,7 @@ impl Region {
                 len,
                 owner: Owner::Engine(layout),
                 locked: false,
+                provider: None,
             }
         };
         if lock {
@@ -178,6 +181,7 @@ impl Region {
             len,
             owner: Owner::Mapped { base, len: map_len },
             locked: false,
+            provider: None,
         })
     }
 
@@ -220,6 +224,7 @@ impl Region {
             len,
             owner: Owner::Caller(Some(Box::new(release))),
             locked: false,
+            provider: None,
         })
     }
 
@@ -306,236 +311,78 @@ impl Region {
         Ok(f(s))
     }
 
-    fn mlock(&self) -> bool {
-        // SAFETY: mlock only changes residency of pages we own; it never dereferences them.
-        unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) == 0 }
-    }
-}
-
-/// Seals every shareable region carries: its size can never change, so a peer that maps it
-/// can never fault on a page that went away (SIGBUS).
-const SHARE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-
-fn os_err(what: &str) -> Error {
-    Error::new(
-        ErrorKind::Resource,
-        format!("{what}: {}", std::io::Error::last_os_error()),
-    )
-}
-
-impl Region {
-    /// Allocates `len` zeroed bytes another process on this host can map: a sealed memfd,
-    /// mapped shared and populated up front (so no first-touch page faults land in transfers).
-    pub fn allocate_shared(len: usize, lock: bool) -> Result<Self> {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        if len == 0 {
+    /// Wraps memory a transport's provider made (see [`crate::transport::MemoryProvider`]).
+    ///
+    /// # Safety
+    /// `ptr` must be page-aligned and valid for reads and writes of `len` bytes for as long as
+    /// `backing` lives; the region drops `backing` exactly once, after its last use, and
+    /// nothing else may access the memory except through this region (or, for memory shared
+    /// with peers, under grants).
+    pub unsafe fn from_backing(
+        ptr: NonNull<u8>,
+        len: usize,
+        backing: impl Any + Send + Sync,
+    ) -> Result<Self> {
+        if len == 0 || !(ptr.as_ptr() as usize).is_multiple_of(PAGE_SIZE) {
             return Err(Error::new(
                 ErrorKind::InvalidLength,
-                "cannot register 0 bytes",
-            ));
-        }
-        let size = len.checked_next_multiple_of(PAGE_SIZE).ok_or_else(|| {
-            Error::new(ErrorKind::InvalidLength, format!("{len} bytes overflows"))
-        })?;
-        check_available(size)?;
-        // SAFETY: the name is a NUL-terminated literal; memfd_create creates a new file.
-        let raw = unsafe {
-            libc::memfd_create(
-                c"omnirig-region".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if raw < 0 {
-            return Err(os_err("memfd_create"));
-        }
-        // SAFETY: `raw` is a new descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: plain system calls on our own descriptor.
-        unsafe {
-            if libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) != 0 {
-                return Err(os_err(&format!("sizing a {len}-byte memfd")));
-            }
-            if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SHARE_SEALS) != 0 {
-                return Err(os_err("sealing the memfd"));
-            }
-        }
-        // SAFETY: a new shared mapping of our own file, at an address of the kernel's choosing.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(os_err(&format!("mapping a {len}-byte memfd")));
-        }
-        let base = base.cast::<u8>();
-        let mut region = Self {
-            ptr: NonNull::new(base).expect("mmap never returns null on success"),
-            len,
-            owner: Owner::Shared {
-                base,
-                len: size,
-                fd,
-                id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            },
-            locked: false,
-        };
-        if lock {
-            region.locked = region.mlock();
-        }
-        Ok(region)
-    }
-
-    /// For a shareable region: a process-unique id, its memfd, and the file's size.
-    pub fn shared_file(&self) -> Option<(u64, std::os::fd::BorrowedFd<'_>, usize)> {
-        use std::os::fd::AsFd;
-        match &self.owner {
-            Owner::Shared { len, fd, id, .. } => Some((*id, fd.as_fd(), *len)),
-            _ => None,
-        }
-    }
-}
-
-/// Another process's shareable region, mapped here (the shm transport's server side). Only
-/// the bounds-checked copies below touch it, through raw pointers: the other process may
-/// write its bytes at any time, so no Rust reference into it is ever formed.
-pub struct PeerMemory {
-    base: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: a pointer to a mapping that stays valid until Drop; all access is bounds-checked
-// raw copies of plain bytes.
-unsafe impl Send for PeerMemory {}
-// SAFETY: as for Send.
-unsafe impl Sync for PeerMemory {}
-
-impl std::fmt::Debug for PeerMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerMemory")
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl PeerMemory {
-    /// Maps `len` bytes of the file at `path` (a peer's memfd, `/proc/PID/fd/N`). Refused
-    /// unless the file is sealed against shrinking and at least `len` bytes long, so no page
-    /// of the mapping can vanish while it is mapped.
-    pub fn map(path: &std::path::Path, len: usize) -> Result<Self> {
-        use std::os::fd::AsRawFd;
-        if len == 0 {
-            return Err(Error::new(ErrorKind::InvalidLength, "empty peer region"));
-        }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Unreachable,
-                    format!("opening peer memory {}: {e}", path.display()),
-                )
-            })?;
-        let fd = file.as_raw_fd();
-        // SAFETY: F_GET_SEALS reads flags of an open descriptor.
-        let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
-        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(Error::new(
-                ErrorKind::Malformed,
                 format!(
-                    "peer memory {} is not sealed against shrinking",
-                    path.display()
+                    "backed region at {:p} of {len} bytes must be non-empty and page-aligned",
+                    ptr.as_ptr()
                 ),
             ));
         }
-        let size = file
-            .metadata()
-            .map_err(|e| Error::new(ErrorKind::Resource, format!("stat peer memory: {e}")))?
-            .len();
-        if size < len as u64 {
-            return Err(Error::new(
-                ErrorKind::Malformed,
-                format!("peer memory is {size} bytes, {len} announced"),
-            ));
-        }
-        // SAFETY: a new shared mapping of `len` bytes of a file at least that long, sealed so
-        // it stays that long; the descriptor may close afterwards (the mapping keeps the file).
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(os_err("mapping peer memory"));
-        }
         Ok(Self {
-            base: NonNull::new(base.cast()).expect("mmap never returns null on success"),
+            ptr,
             len,
+            owner: Owner::Backed(Box::new(backing)),
+            locked: false,
+            provider: None,
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    fn check(&self, offset: u64, len: u64) -> Result<usize> {
-        let end = offset.checked_add(len);
-        match end {
-            Some(end) if end <= self.len as u64 => Ok(offset as usize),
-            _ => Err(Error::new(
-                ErrorKind::OutOfBuffer,
-                format!(
-                    "peer range {offset}+{len} outside its {}-byte region",
-                    self.len
-                ),
-            )),
+    /// The backing a provider gave [`Region::from_backing`], if it is a `T`.
+    pub fn backing<T: Any>(&self) -> Option<&T> {
+        match &self.owner {
+            Owner::Backed(b) => b.downcast_ref(),
+            _ => None,
         }
     }
 
-    /// Copies `len` bytes from this peer memory at `offset` into `dst` at `dst_off`.
-    pub fn copy_into(&self, offset: u64, dst: &Region, dst_off: u64, len: u64) -> Result<()> {
-        let s = self.check(offset, len)?;
-        let (d, n) = dst.check(dst_off, len)?;
-        // SAFETY: both ranges were bounds-checked against live mappings; they are different
-        // mappings, and a peer's racing writes can only make the copied bytes unspecified.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.base.as_ptr().add(s), dst.ptr.as_ptr().add(d), n)
-        };
-        Ok(())
+    /// Remembers the provider that made this region (the engine does, when it allocates).
+    pub(crate) fn with_provider(mut self, p: Arc<dyn MemoryProvider>) -> Self {
+        self.provider = Some(p);
+        self
     }
 
-    /// Copies `len` bytes of `src` at `src_off` into this peer memory at `offset`.
-    pub fn copy_from(&self, offset: u64, src: &Region, src_off: u64, len: u64) -> Result<()> {
-        let d = self.check(offset, len)?;
-        let (s, n) = src.check(src_off, len)?;
-        // SAFETY: as in `copy_into`, the other way round.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.ptr.as_ptr().add(s), self.base.as_ptr().add(d), n)
-        };
-        Ok(())
+    /// `len` zeroed bytes made the same way as this region (by its provider, or plain).
+    pub fn allocate_like(&self, len: usize) -> Result<Region> {
+        match &self.provider {
+            Some(p) => Ok(p.allocate(len)?.with_provider(p.clone())),
+            None => Region::allocate(len, false),
+        }
     }
-}
 
-impl Drop for PeerMemory {
-    fn drop(&mut self) {
-        // SAFETY: the exact mapping made in `map`, unmapped once, here.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    /// Locks the pages in RAM (mlock), best effort; returns whether they are locked.
+    pub fn lock_pages(&mut self) -> bool {
+        if !self.locked {
+            self.locked = self.mlock();
+        }
+        self.locked
+    }
+
+    /// The address of `offset..offset+len`, bounds-checked, for transports that copy with
+    /// raw pointers (another process's mapping, a device). Valid while the region lives.
+    pub fn range_ptr(&self, offset: u64, len: u64) -> Result<*mut u8> {
+        let (off, _) = self.check(offset, len)?;
+        // SAFETY: off <= len of the allocation (checked), so the result stays in bounds (or one
+        // past its end for an empty range at the end).
+        Ok(unsafe { self.ptr.as_ptr().add(off) })
+    }
+
+    fn mlock(&self) -> bool {
+        // SAFETY: mlock only changes residency of pages we own; it never dereferences them.
+        unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) == 0 }
     }
 }
 
@@ -552,11 +399,8 @@ impl Drop for Region {
             Owner::Mapped { base, len } => unsafe {
                 libc::munmap(base.cast(), *len);
             },
-            // SAFETY: the exact mapping made in `allocate_shared`, unmapped once, here; the
-            // memfd closes after (the field drops next).
-            Owner::Shared { base, len, .. } => unsafe {
-                libc::munmap(base.cast(), *len);
-            },
+            // The backing releases its memory when the field drops, right after this.
+            Owner::Backed(_) => {}
             Owner::Caller(release) => {
                 if let Some(release) = release.take() {
                     release();
@@ -569,7 +413,6 @@ impl Drop for Region {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     #[test]

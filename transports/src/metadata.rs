@@ -83,13 +83,7 @@ mod tests {
     use super::*;
 
     fn desc(name: &str, instance: u64) -> SegmentDescriptor {
-        SegmentDescriptor {
-            name: name.into(),
-            instance,
-            tcp: None,
-            buffers: vec![],
-            shm: None,
-        }
+        SegmentDescriptor::new(name, instance, vec![], vec![])
     }
 
     #[tokio::test]

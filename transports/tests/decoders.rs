@@ -2,9 +2,12 @@
 //! an unbounded allocation (inputs are capped before decoding), always a clear refusal or a
 //! value that re-encodes to the same bytes.
 
-use omnirig_transports::segment::SegmentDescriptor;
+use omnirig_transports::segment::{
+    BufferDescriptor, DESCRIPTOR_VERSION, Endpoint, MAX_ENDPOINT_ADDRESS, MemoryKind,
+    SegmentDescriptor,
+};
 use omnirig_transports::transport::tcp::frame::{HEADER_LEN, Header, decode_error_body};
-use omnirig_transports::{ErrorKind, Grant};
+use omnirig_transports::{Access, ErrorKind, Grant, GrantKey, TransportKind};
 use proptest::prelude::*;
 
 proptest! {
@@ -52,6 +55,72 @@ proptest! {
         }
     }
 
+    /// Well-formed descriptors with endpoints of every kind, one byte flipped: decoded to a
+    /// valid descriptor that re-encodes to the same bytes, or refused as malformed.
+    #[test]
+    fn near_valid_descriptors_are_refused_or_canonical(
+        kinds in prop::collection::vec(0usize..3, 0..4),
+        addr_len in 1usize..64,
+        buffers in prop::collection::vec((any::<u32>(), 1u64..u64::MAX), 0..4),
+        flip in any::<prop::sample::Index>(),
+        bit in 0u8..8,
+    ) {
+        let mut endpoints: Vec<Endpoint> = Vec::new();
+        for k in kinds {
+            let kind = TransportKind::ALL[k];
+            if endpoints.iter().all(|e| e.kind != kind) {
+                endpoints.push(Endpoint::new(kind, vec![b'a'; addr_len]));
+            }
+        }
+        let d = SegmentDescriptor::new(
+            "peer-0",
+            7,
+            buffers
+                .into_iter()
+                .map(|(id, len)| BufferDescriptor { id, len, kind: MemoryKind::Host })
+                .collect(),
+            endpoints,
+        );
+        let mut b = d.to_bytes();
+        prop_assert_eq!(SegmentDescriptor::from_bytes(&b).unwrap(), d);
+        let i = flip.index(b.len());
+        b[i] ^= 1 << bit;
+        match SegmentDescriptor::from_bytes(&b) {
+            Ok(got) => {
+                prop_assert!(got.validate().is_ok());
+                prop_assert_eq!(got.version, DESCRIPTOR_VERSION);
+                prop_assert!(got.endpoints.iter().all(|e| !e.address.is_empty() && e.address.len() <= MAX_ENDPOINT_ADDRESS));
+            }
+            Err(e) => prop_assert_eq!(e.kind(), ErrorKind::Malformed),
+        }
+    }
+
+    /// Grants with transport keys, one byte flipped: valid or refused, never a panic.
+    #[test]
+    fn near_valid_keyed_grants_are_valid_or_refused(
+        key_len in 1usize..=64,
+        flip in any::<prop::sample::Index>(),
+        bit in 0u8..8,
+    ) {
+        let g = Grant {
+            segment: "owner".into(),
+            buffer: 1,
+            offset: 0,
+            len: 4096,
+            epoch: 3,
+            token: 99,
+            access: Access::Write,
+            keys: vec![GrantKey { kind: TransportKind::Shm, bytes: vec![1; key_len] }],
+        };
+        let mut b = g.to_bytes();
+        prop_assert_eq!(Grant::from_bytes(&b).unwrap(), g);
+        let i = flip.index(b.len());
+        b[i] ^= 1 << bit;
+        if let Ok(got) = Grant::from_bytes(&b) {
+            prop_assert!(got.validate().is_ok());
+        }
+    }
+
     #[test]
     fn descriptors_from_the_wire_are_valid_or_refused(bytes in prop::collection::vec(any::<u8>(), 0..2048)) {
         if let Ok(d) = SegmentDescriptor::from_bytes(&bytes) {
@@ -64,8 +133,19 @@ proptest! {
 /// memory for them.
 #[test]
 fn a_huge_claimed_length_does_not_allocate() {
-    // fixarray(4) [name, instance, tcp, array32(0xffffffff)]
-    let mut b = vec![0x94, 0xa1, b'x', 0x01, 0xc0, 0xdd, 0xff, 0xff, 0xff, 0xff];
+    // fixarray(5) [version, name, instance, array32(0xffffffff) buffers, ...]
+    let mut b = vec![
+        0x95,
+        DESCRIPTOR_VERSION as u8,
+        0xa1,
+        b'x',
+        0x01,
+        0xdd,
+        0xff,
+        0xff,
+        0xff,
+        0xff,
+    ];
     b.extend_from_slice(&[0x93, 0x01, 0x01, 0xa4]);
     let e = SegmentDescriptor::from_bytes(&b).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Malformed);

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use omnirig_transports::{
-    Access, Engine, EngineConfig, ErrorKind, InProcessStore, Request, TaskState, TransportPolicy,
+    Access, Engine, EngineConfig, ErrorKind, InProcessStore, Request, TaskState, TransportKind,
+    TransportPolicy,
 };
 use rstest::rstest;
 
@@ -510,7 +511,7 @@ async fn peers_find_each_other_by_handshake_without_a_store() {
     let a = Engine::new(
         EngineConfig::new(unique("a"))
             .store(InProcessStore::new())
-            .policy(TransportPolicy::Only("tcp")),
+            .policy(TransportPolicy::Only(TransportKind::Tcp)),
     )
     .await
     .unwrap();
@@ -528,7 +529,7 @@ async fn peers_find_each_other_by_handshake_without_a_store() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::UnknownSegment);
     let info = a.connect_addr(b.tcp_addr().unwrap()).await.unwrap();
-    assert_eq!(info.transport, "tcp");
+    assert_eq!(info.transport, TransportKind::Tcp);
     a.transfer(vec![Request::write(&src, 0, &g, 0, 1 << 20)], T)
         .await
         .unwrap();
@@ -579,7 +580,7 @@ async fn shm_shares_again_what_the_owner_unmapped() {
 async fn registering_more_than_the_machine_has_is_refused(#[values(false, true)] shm: bool) {
     let mut cfg = EngineConfig::new(unique("big")).store(InProcessStore::new());
     if shm {
-        cfg = cfg.shm_config(omnirig_transports::ShmConfig::default());
+        cfg = cfg.with(omnirig_transports::ShmConfig::default());
     }
     let e = Engine::new(cfg).await.unwrap();
     let t = Instant::now();
@@ -588,4 +589,80 @@ async fn registering_more_than_the_machine_has_is_refused(#[values(false, true)]
     assert!(err.to_string().contains("MemAvailable"), "{err}");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     assert!(e.allocate(1 << 20).is_ok());
+}
+
+/// `lock_memory` locks every buffer's pages (best effort) and the usage says how many bytes
+/// are locked; without it nothing is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_memory_locks_buffers_and_reports_it() {
+    let store = InProcessStore::new();
+    let plain = Engine::new(config(&unique("plain"), "loopback", &store))
+        .await
+        .unwrap();
+    let _a = plain.allocate(8192).unwrap();
+    assert_eq!(plain.usage().locked_bytes, 0);
+    let locking = Engine::new(config(&unique("locking"), "loopback", &store).lock_memory(true))
+        .await
+        .unwrap();
+    let b = locking.allocate(8192).unwrap();
+    // mlock is allowed up to RLIMIT_MEMLOCK; where even two pages are over it, nothing locks
+    // and the usage must say so rather than claim it.
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the struct we pass and nothing else.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0;
+    let u = locking.usage();
+    if ok && lim.rlim_cur >= 1 << 20 {
+        assert_eq!(u.locked_bytes, 8192, "{u:?}");
+        assert!(b.region().is_locked());
+    } else {
+        assert_eq!(
+            u.locked_bytes,
+            u64::from(b.region().is_locked()) * 8192,
+            "{u:?}"
+        );
+    }
+    locking.unregister(&b).unwrap();
+    assert_eq!(locking.usage().locked_bytes, 0);
+}
+
+/// Under the Auto policy the most local transport that reaches a peer wins: shm before tcp
+/// for an engine of this host (loopback, were it running, before both).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_prefers_shm_to_tcp_on_one_host() {
+    use omnirig_transports::{ShmConfig, TransportKind};
+    let store = InProcessStore::new();
+    let cfg = |n: &str| {
+        EngineConfig::new(unique(n))
+            .store(store.clone())
+            .without(TransportKind::Loopback)
+            .with(ShmConfig::default())
+    };
+    let a = Engine::new(cfg("auto-a")).await.unwrap();
+    let b = Engine::new(cfg("auto-b")).await.unwrap();
+    assert_eq!(
+        a.connect(b.name()).await.unwrap().transport,
+        TransportKind::Shm
+    );
+    let c = Engine::new(EngineConfig::new(unique("auto-c")).store(store.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.connect(a.name()).await.unwrap().transport,
+        TransportKind::Tcp,
+        "c runs no shm: tcp is what reaches a"
+    );
+    assert_eq!(
+        c.connect(b.name()).await.unwrap().transport,
+        TransportKind::Tcp
+    );
+    let d = Engine::new(EngineConfig::new(unique("auto-d")).store(store.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.connect(d.name()).await.unwrap().transport,
+        TransportKind::Loopback
+    );
 }

@@ -18,9 +18,10 @@ use tokio::sync::Notify;
 
 use crate::engine::TransportDecorator;
 use crate::error::{Error, ErrorKind, Result};
-use crate::memory::Region;
 use crate::segment::SegmentDescriptor;
-use crate::transport::{BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+use crate::transport::{
+    BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport, TransportKind,
+};
 
 /// Where in a request a fault strikes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -290,8 +291,8 @@ struct Faulty {
 }
 
 impl Transport for Faulty {
-    fn name(&self) -> &'static str {
-        self.inner.name()
+    fn kind(&self) -> TransportKind {
+        self.inner.kind()
     }
 
     fn reaches(&self, peer: &SegmentDescriptor) -> bool {
@@ -383,11 +384,7 @@ impl Link for FaultyLink {
                         OpKind::Write => {
                             // Send a copy with one byte flipped; the source stays intact.
                             // Of the same kind as the source, so shm can still share it.
-                            let copy = if op.local.shared_file().is_some() {
-                                Region::allocate_shared(op.len as usize, false)?
-                            } else {
-                                Region::allocate(op.len as usize, false)?
-                            };
+                            let copy = op.local.allocate_like(op.len as usize)?;
                             op.local.copy_to(op.local_offset, &copy, 0, op.len)?;
                             copy.with_mut_slice(at, 1, |b| b[0] ^= 0x5a)?;
                             link.execute(SliceOp {
@@ -427,6 +424,7 @@ impl Link for FaultyLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::Region;
 
     #[test]
     fn split_keeps_offsets_consistent() {
@@ -439,6 +437,7 @@ mod tests {
                 epoch: 1,
                 token: 1,
             },
+            key: None,
             grant_offset: 10,
             len: 1000,
             tag: 7,
@@ -476,6 +475,7 @@ mod tests {
                 epoch: 1,
                 token: 1,
             },
+            key: None,
             grant_offset: request_offset,
             len,
             tag,

@@ -2,75 +2,103 @@
 //! every other transport.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::engine::EngineCore;
 use crate::error::{Error, ErrorKind, Result};
 use crate::segment::SegmentDescriptor;
-use crate::transport::{BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+use crate::transport::{
+    Admission, BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport, TransportKind,
+    TransportSetup,
+};
 
-/// Engines alive in this process, by instance id.
-fn registry() -> &'static Mutex<HashMap<u64, Weak<EngineCore>>> {
-    static REG: OnceLock<Mutex<HashMap<u64, Weak<EngineCore>>>> = OnceLock::new();
+/// Engines running loopback in this process, by instance id.
+fn registry() -> &'static Mutex<HashMap<u64, Admission>> {
+    static REG: OnceLock<Mutex<HashMap<u64, Admission>>> = OnceLock::new();
     REG.get_or_init(Default::default)
 }
 
-fn lock() -> std::sync::MutexGuard<'static, HashMap<u64, Weak<EngineCore>>> {
+fn lock() -> std::sync::MutexGuard<'static, HashMap<u64, Admission>> {
     registry().lock().unwrap_or_else(|p| p.into_inner())
 }
 
-pub(crate) fn register(core: &Arc<EngineCore>) {
-    lock().insert(core.instance, Arc::downgrade(core));
-}
-
-pub(crate) fn unregister(instance: u64) {
-    lock().remove(&instance);
-}
-
-/// Memcpy between engines of one process.
+/// Loopback's config.
 #[derive(Debug, Clone)]
-pub struct LoopbackTransport {
-    slice_size: u64,
+pub struct LoopbackConfig {
+    /// Slice size for copies: between slices the copy yields, so deadlines and cancels stay
+    /// prompt.
+    pub slice_size: u64,
 }
 
-impl LoopbackTransport {
-    pub fn new(slice_size: u64) -> Self {
+impl Default for LoopbackConfig {
+    fn default() -> Self {
         Self {
-            slice_size: slice_size.max(1),
+            slice_size: 256 << 20,
         }
     }
 }
 
+impl TransportSetup for LoopbackConfig {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Loopback
+    }
+
+    /// Makes the engine reachable by the other engines of this process.
+    fn start(&self, engine: Admission) -> BoxFuture<'static, Result<Arc<dyn Transport>>> {
+        let t = LoopbackTransport {
+            slice_size: self.slice_size.max(1),
+            instance: engine.instance(),
+        };
+        lock().insert(engine.instance(), engine);
+        Box::pin(async move { Ok(Arc::new(t) as Arc<dyn Transport>) })
+    }
+}
+
+/// Memcpy between engines of one process.
+#[derive(Debug)]
+pub struct LoopbackTransport {
+    slice_size: u64,
+    /// This engine, in the registry until shutdown.
+    instance: u64,
+}
+
+impl Drop for LoopbackTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
 impl Transport for LoopbackTransport {
-    fn name(&self) -> &'static str {
-        "loopback"
+    fn kind(&self) -> TransportKind {
+        TransportKind::Loopback
     }
 
     fn reaches(&self, peer: &SegmentDescriptor) -> bool {
-        lock()
-            .get(&peer.instance)
-            .is_some_and(|w| w.strong_count() > 0)
+        lock().get(&peer.instance).is_some_and(Admission::is_open)
     }
 
     fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
         let found = lock().get(&peer.instance).cloned();
         let slice_size = self.slice_size;
         Box::pin(async move {
-            let core = found.filter(|w| w.strong_count() > 0).ok_or_else(|| {
+            let engine = found.filter(Admission::is_open).ok_or_else(|| {
                 Error::new(ErrorKind::Unreachable, "engine is not in this process")
                     .with_peer(&peer.name)
             })?;
             Ok(Arc::new(LoopbackLink {
-                peer: core,
+                peer: engine,
                 name: peer.name,
                 slice_size,
             }) as Arc<dyn Link>)
         })
     }
+
+    fn shutdown(&self) {
+        lock().remove(&self.instance);
+    }
 }
 
 struct LoopbackLink {
-    peer: Weak<EngineCore>,
+    peer: Admission,
     name: String,
     slice_size: u64,
 }
@@ -78,7 +106,7 @@ struct LoopbackLink {
 impl Link for LoopbackLink {
     fn info(&self) -> LinkInfo {
         LinkInfo {
-            transport: "loopback",
+            transport: TransportKind::Loopback,
             device: "memcpy".into(),
         }
     }
@@ -108,14 +136,10 @@ impl Link for LoopbackLink {
 }
 
 /// The loopback data path: the peer checks the grant, then one memcpy under its fence.
-fn copy(peer: &Weak<EngineCore>, name: &str, op: &SliceOp) -> Result<()> {
-    let core = peer.upgrade().ok_or_else(|| {
-        Error::new(ErrorKind::PeerDisconnected, "peer engine was dropped").with_peer(name)
-    })?;
-    let (region, admitted) = core
+fn copy(peer: &Admission, name: &str, op: &SliceOp) -> Result<()> {
+    let (region, admitted) = peer
         .admit(op.kind.access(), op.grant, op.grant_offset, op.len)
         .map_err(|e| e.with_peer(name))?;
-    drop(core);
     let _pin = admitted.entry.pin().map_err(|e| e.with_peer(name))?;
     match op.kind {
         OpKind::Write => op

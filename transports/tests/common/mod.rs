@@ -1,5 +1,5 @@
-//! Shared test rig: engine pairs over a chosen transport, data patterns, and a gate decorator
-//! that parks slices until the test releases them (faults are scripts, not sleeps).
+//! Shared test rig: engine pairs over a chosen transport, data patterns, and (from
+//! omnirig-test-support) the gate decorator that parks slices until the test releases them.
 
 #![allow(dead_code)]
 
@@ -7,13 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+pub use omnirig_test_support::slices::Gate;
 use omnirig_transports::{
-    Engine, EngineConfig, InProcessStore, Link, LinkInfo, Result, SegmentDescriptor, ShmConfig,
-    SliceOp, Slicing, TcpConfig, Transport, TransportPolicy, Usage, transport::BoxFuture,
+    Engine, EngineConfig, InProcessStore, LoopbackConfig, ShmConfig, TcpConfig, TransportKind,
+    Usage,
 };
-use tokio::sync::{Notify, watch};
-
-pub const TRANSPORTS: [&str; 2] = ["loopback", "tcp"];
 
 /// A unique engine name per test, so tests sharing a process never collide.
 pub fn unique(prefix: &str) -> String {
@@ -25,23 +23,28 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-/// Small slices so that multi-slice behaviour shows at test sizes.
-pub fn config(name: &str, transport: &'static str, store: &Arc<InProcessStore>) -> EngineConfig {
-    let mut c = EngineConfig::new(name)
-        .store(store.clone())
-        .policy(TransportPolicy::Only(transport));
-    c.tcp = TcpConfig {
-        slice_size: 1 << 20,
-        streams: 2,
-        ..TcpConfig::default()
-    };
-    c.loopback_slice = 1 << 20;
-    if transport == "shm" {
-        c = c.shm_config(ShmConfig {
-            slice_size: 1 << 20,
-            streams: 2,
-            ..ShmConfig::default()
-        });
+/// Small slices so that multi-slice behaviour shows at test sizes. `transport` is a kind's
+/// name (tests name their cases by it).
+pub fn config(name: &str, transport: &str, store: &Arc<InProcessStore>) -> EngineConfig {
+    let kind: TransportKind = transport.parse().unwrap();
+    let mut c = EngineConfig::for_kind(name, kind).store(store.clone());
+    // Override only what this engine runs, so each engine stays exactly what for_kind builds.
+    for t in c.transports.clone() {
+        c = match t.kind() {
+            TransportKind::Loopback => c.with(LoopbackConfig {
+                slice_size: 1 << 20,
+            }),
+            TransportKind::Tcp => c.with(TcpConfig {
+                slice_size: 1 << 20,
+                streams: 2,
+                ..TcpConfig::default()
+            }),
+            TransportKind::Shm => c.with(ShmConfig {
+                slice_size: 1 << 20,
+                streams: 2,
+                ..ShmConfig::default()
+            }),
+        };
     }
     c
 }
@@ -93,136 +96,4 @@ pub const CANARY: u8 = 0xA5;
 /// Waits until the engine holds nothing transient and returns its usage.
 pub async fn idle(e: &Engine) -> Usage {
     e.wait_idle(Duration::from_secs(10)).await.unwrap()
-}
-
-/// Scripted gate: the first `free` slices pass; later ones park until `open()`.
-pub struct Gate {
-    free: usize,
-    seen: AtomicUsize,
-    parked: AtomicUsize,
-    parked_changed: Notify,
-    open: watch::Sender<bool>,
-    late: std::sync::Mutex<Vec<Result<()>>>,
-    late_changed: Notify,
-}
-
-impl Gate {
-    pub fn new(free: usize) -> Arc<Self> {
-        Arc::new(Self {
-            free,
-            seen: AtomicUsize::new(0),
-            parked: AtomicUsize::new(0),
-            parked_changed: Notify::new(),
-            open: watch::channel(false).0,
-            late: Default::default(),
-            late_changed: Notify::new(),
-        })
-    }
-
-    pub fn open(&self) {
-        self.open.send_replace(true);
-    }
-
-    /// Waits until `n` slices are parked at the gate.
-    pub async fn wait_parked(&self, n: usize) {
-        loop {
-            let notified = self.parked_changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.parked.load(Ordering::Acquire) >= n {
-                return;
-            }
-            notified.await;
-        }
-    }
-
-    /// Waits until `n` parked slices have run, and returns their outcomes.
-    pub async fn wait_ran(&self, n: usize) -> Vec<Result<()>> {
-        loop {
-            let notified = self.late_changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
-                let late = self.late.lock().unwrap();
-                if late.len() >= n {
-                    return late.clone();
-                }
-            }
-            notified.await;
-        }
-    }
-
-    /// A decorator for [`EngineConfig::decorator`].
-    pub fn decorator(self: &Arc<Self>) -> omnirig_transports::TransportDecorator {
-        let gate = self.clone();
-        Arc::new(move |inner: Arc<dyn Transport>| {
-            Arc::new(Gated {
-                inner,
-                gate: gate.clone(),
-            }) as Arc<dyn Transport>
-        })
-    }
-}
-
-struct Gated {
-    inner: Arc<dyn Transport>,
-    gate: Arc<Gate>,
-}
-
-impl Transport for Gated {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn reaches(&self, peer: &SegmentDescriptor) -> bool {
-        self.inner.reaches(peer)
-    }
-    fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
-        let inner = self.inner.connect(peer);
-        let gate = self.gate.clone();
-        Box::pin(async move {
-            Ok(Arc::new(GatedLink {
-                inner: inner.await?,
-                gate,
-            }) as Arc<dyn Link>)
-        })
-    }
-}
-
-struct GatedLink {
-    inner: Arc<dyn Link>,
-    gate: Arc<Gate>,
-}
-
-impl Link for GatedLink {
-    fn info(&self) -> LinkInfo {
-        self.inner.info()
-    }
-    fn slicing(&self) -> Slicing {
-        // One slice at a time, so "the first N pass" is well defined.
-        Slicing {
-            in_flight: 1,
-            ..self.inner.slicing()
-        }
-    }
-    fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
-        let gate = self.gate.clone();
-        let inner = self.inner.clone();
-        if gate.seen.fetch_add(1, Ordering::AcqRel) < gate.free {
-            return inner.execute(op);
-        }
-        // A parked slice runs in its own task, so it goes on once the gate opens even if its
-        // batch gave up on it (like a work request already posted to a NIC): exactly the late
-        // write a revoked grant must stop. Its outcome is recorded for the test.
-        let mut rx = gate.open.subscribe();
-        gate.parked.fetch_add(1, Ordering::AcqRel);
-        gate.parked_changed.notify_waiters();
-        let task = tokio::spawn(async move {
-            let _ = rx.wait_for(|open| *open).await;
-            let r = inner.execute(op).await;
-            gate.late.lock().unwrap().push(r.clone());
-            gate.late_changed.notify_waiters();
-            r
-        });
-        Box::pin(async move { task.await.expect("gated slice panicked") })
-    }
 }

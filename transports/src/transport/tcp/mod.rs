@@ -22,17 +22,22 @@ use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, warn};
 
 use crate::batch::Liveness;
-use crate::engine::EngineCore;
 use crate::error::{Error, ErrorKind, Result};
 use crate::grant::{GrantEntry, GrantRef};
 use crate::memory::Region;
+use crate::segment::Endpoint;
 use crate::segment::SegmentDescriptor;
-use crate::transport::{BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+use crate::transport::{
+    Admission, BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport,
+    TransportKind, TransportSetup,
+};
 use frame::{FrameKind, HEADER_LEN, Header};
 
 /// TCP tuning.
 #[derive(Debug, Clone)]
 pub struct TcpConfig {
+    /// Where to listen for peers; `None`: no listener (this engine only connects out).
+    pub listen: Option<SocketAddr>,
     /// Largest slice one frame carries.
     pub slice_size: u64,
     /// Connections per peer, which is also slices in flight per task.
@@ -48,6 +53,7 @@ pub struct TcpConfig {
 impl Default for TcpConfig {
     fn default() -> Self {
         Self {
+            listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             slice_size: 512 << 10,
             streams: 4,
             max_payload: 64 << 20,
@@ -321,7 +327,7 @@ impl Drop for TcpServer {
 }
 
 impl TcpServer {
-    pub async fn bind(addr: SocketAddr, core: Arc<EngineCore>, cfg: TcpConfig) -> Result<Self> {
+    pub async fn bind(addr: SocketAddr, core: Admission, cfg: TcpConfig) -> Result<Self> {
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| Error::io(e, &format!("binding {addr}")))?;
@@ -335,10 +341,10 @@ impl TcpServer {
                     accepted = listener.accept() => match accepted {
                         Ok((stream, from)) => {
                             let _ = stream.set_nodelay(true);
-                            let conn = Conn { stream, _counted: Counted::new(&core.live) };
+                            let conn = Conn { stream, _counted: core.connection() };
                             conns.spawn(serve(core.clone(), conn, from, cfg.clone()));
                         }
-                        Err(e) => warn!(engine = %core.name, error = %e, "accept failed"),
+                        Err(e) => warn!(engine = %core.engine(), error = %e, "accept failed"),
                     },
                     Some(_) = conns.join_next(), if !conns.is_empty() => {}
                 }
@@ -348,19 +354,19 @@ impl TcpServer {
     }
 }
 
-async fn serve(core: Arc<EngineCore>, conn: Conn, from: SocketAddr, cfg: TcpConfig) {
+async fn serve(core: Admission, conn: Conn, from: SocketAddr, cfg: TcpConfig) {
     let stream = &conn.stream;
     let mut peer = from.to_string();
     loop {
         let h = match read_header(stream, cfg.max_payload, Spin::Task(cfg.busy_poll)).await {
             Ok(h) => h,
             Err(e) if e.kind() == ErrorKind::Malformed => {
-                warn!(engine = %core.name, peer = %peer, error = %e, "refusing connection: malformed frame");
+                warn!(engine = %core.engine(), peer = %peer, error = %e, "refusing connection: malformed frame");
                 let _ = send_error(stream, 0, &e).await;
                 return;
             }
             Err(e) => {
-                debug!(engine = %core.name, peer = %peer, error = %e, "connection closed");
+                debug!(engine = %core.engine(), peer = %peer, error = %e, "connection closed");
                 return;
             }
         };
@@ -374,7 +380,7 @@ async fn serve(core: Arc<EngineCore>, conn: Conn, from: SocketAddr, cfg: TcpConf
                             .map_err(|e| e.to_string())
                     }) {
                     Ok(name) => {
-                        debug!(engine = %core.name, peer = %name, addr = %from, "peer connected");
+                        debug!(engine = %core.engine(), peer = %name, addr = %from, "peer connected");
                         peer = name;
                         Ok(())
                     }
@@ -383,7 +389,10 @@ async fn serve(core: Arc<EngineCore>, conn: Conn, from: SocketAddr, cfg: TcpConf
                 Err(e) => Err(e),
             },
             FrameKind::Describe => {
-                let body = core.descriptor().to_bytes();
+                let body = match core.descriptor() {
+                    Ok(d) => d.to_bytes(),
+                    Err(_) => return,
+                };
                 let r = Header {
                     body_len: body.len() as u32,
                     ..Header::new(FrameKind::DescribeReply, h.req_id)
@@ -401,10 +410,10 @@ async fn serve(core: Arc<EngineCore>, conn: Conn, from: SocketAddr, cfg: TcpConf
         };
         if let Err(e) = result {
             if e.kind() == ErrorKind::Malformed {
-                warn!(engine = %core.name, peer = %peer, error = %e, "refusing connection: malformed frame");
+                warn!(engine = %core.engine(), peer = %peer, error = %e, "refusing connection: malformed frame");
                 let _ = send_error(stream, h.req_id, &e).await;
             } else {
-                debug!(engine = %core.name, peer = %peer, error = %e, "connection closed");
+                debug!(engine = %core.engine(), peer = %peer, error = %e, "connection closed");
             }
             return;
         }
@@ -423,7 +432,7 @@ fn wire(h: &Header) -> GrantRef {
 /// write's payload is drained so the connection stays usable for the peer's next slice.
 /// Returns Err only when the connection must close.
 async fn serve_write(
-    core: &EngineCore,
+    core: &Admission,
     stream: &TcpStream,
     h: &Header,
     spin: Duration,
@@ -462,17 +471,17 @@ async fn serve_write(
             e
         }
     };
-    debug!(engine = %core.name, error = %refused, "write refused");
+    debug!(engine = %core.engine(), error = %refused, "write refused");
     send_error(stream, h.req_id, &refused)
         .await
         .map_err(|e| Error::io(e, "error reply"))
 }
 
-async fn serve_read(core: &EngineCore, stream: &TcpStream, h: &Header) -> Result<()> {
+async fn serve_read(core: &Admission, stream: &TcpStream, h: &Header) -> Result<()> {
     let (region, adm) = match core.admit(OpKind::Read.access(), wire(h), h.offset, h.len) {
         Ok(x) => x,
         Err(e) => {
-            debug!(engine = %core.name, error = %e, "read refused");
+            debug!(engine = %core.engine(), error = %e, "read refused");
             return send_error(stream, h.req_id, &e)
                 .await
                 .map_err(|e| Error::io(e, "error reply"));
@@ -502,21 +511,55 @@ async fn serve_read(core: &EngineCore, stream: &TcpStream, h: &Header) -> Result
 
 // ---------- client: reaches peers' memory ----------
 
-/// Connects to peers that publish a TCP endpoint.
+/// Reads a tcp endpoint's address from a descriptor (a socket address, as text).
+pub fn endpoint_addr(peer: &SegmentDescriptor) -> Option<SocketAddr> {
+    std::str::from_utf8(peer.endpoint(TransportKind::Tcp)?)
+        .ok()?
+        .parse()
+        .ok()
+}
+
+impl TransportSetup for TcpConfig {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    /// Binds the listener (if `listen` is set).
+    fn start(&self, engine: Admission) -> BoxFuture<'static, Result<Arc<dyn Transport>>> {
+        let cfg = self.clone();
+        Box::pin(async move {
+            if cfg.max_payload < cfg.slice_size {
+                return Err(Error::new(
+                    ErrorKind::Resource,
+                    format!(
+                        "tcp max_payload {} < slice_size {}",
+                        cfg.max_payload, cfg.slice_size
+                    ),
+                ));
+            }
+            let server = match cfg.listen {
+                Some(addr) => Some(TcpServer::bind(addr, engine.clone(), cfg.clone()).await?),
+                None => None,
+            };
+            Ok(Arc::new(TcpTransport {
+                addr: server.as_ref().map(|s| s.addr),
+                server: Mutex::new(server),
+                local_name: engine.engine().to_owned(),
+                live: engine.live().clone(),
+                cfg,
+            }) as Arc<dyn Transport>)
+        })
+    }
+}
+
+/// Serves this engine's memory to tcp peers (if it listens) and connects to peers that
+/// publish a tcp endpoint.
 pub struct TcpTransport {
     cfg: TcpConfig,
     local_name: String,
     live: Arc<Liveness>,
-}
-
-impl TcpTransport {
-    pub(crate) fn new(cfg: TcpConfig, local_name: String, live: Arc<Liveness>) -> Self {
-        Self {
-            cfg,
-            local_name,
-            live,
-        }
-    }
+    addr: Option<SocketAddr>,
+    server: Mutex<Option<TcpServer>>,
 }
 
 async fn dial(
@@ -557,7 +600,7 @@ async fn dial(
 }
 
 /// Asks the engine at `addr` for its descriptor (the peer-to-peer handshake).
-pub(crate) async fn describe(
+async fn describe(
     addr: SocketAddr,
     local_name: &str,
     cfg: &TcpConfig,
@@ -586,12 +629,28 @@ pub(crate) async fn describe(
 }
 
 impl Transport for TcpTransport {
-    fn name(&self) -> &'static str {
-        "tcp"
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
     }
 
     fn reaches(&self, peer: &SegmentDescriptor) -> bool {
-        peer.tcp.is_some()
+        endpoint_addr(peer).is_some()
+    }
+
+    fn endpoint(&self) -> Option<Endpoint> {
+        self.addr
+            .map(|a| Endpoint::new(TransportKind::Tcp, a.to_string()))
+    }
+
+    fn describe(&self, addr: SocketAddr) -> Option<BoxFuture<'static, Result<SegmentDescriptor>>> {
+        let (name, cfg, live) = (self.local_name.clone(), self.cfg.clone(), self.live.clone());
+        Some(Box::pin(
+            async move { describe(addr, &name, &cfg, &live).await },
+        ))
+    }
+
+    fn shutdown(&self) {
+        drop(self.server.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
     fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
@@ -599,7 +658,7 @@ impl Transport for TcpTransport {
         let local_name = self.local_name.clone();
         let live = self.live.clone();
         Box::pin(async move {
-            let addr = peer.tcp.ok_or_else(|| {
+            let addr = endpoint_addr(&peer).ok_or_else(|| {
                 Error::new(ErrorKind::NoTransport, "peer has no tcp endpoint").with_peer(&peer.name)
             })?;
             // Connect once now, so an unreachable peer fails here and the log line names a
@@ -744,7 +803,7 @@ async fn run_slice(
 impl Link for TcpLink {
     fn info(&self) -> LinkInfo {
         LinkInfo {
-            transport: "tcp",
+            transport: TransportKind::Tcp,
             device: self.0.device.clone(),
         }
     }

@@ -25,13 +25,18 @@ use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use crate::batch::Liveness;
-use crate::engine::EngineCore;
 use crate::error::{Error, ErrorKind, Result};
 use crate::grant::GrantRef;
-use crate::memory::PeerMemory;
-use crate::segment::SegmentDescriptor;
+use crate::segment::{Endpoint, SegmentDescriptor};
 use crate::transport::tcp::frame::{decode_error_body, error_body};
-use crate::transport::{BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+use crate::transport::{
+    Admission, BoxFuture, Counted, Link, LinkInfo, MemoryProvider, OpKind, SliceOp, Slicing,
+    Transport, TransportKind, TransportSetup,
+};
+use memfd::PeerMemory;
+
+pub(crate) mod memfd;
+use memfd::shared_file;
 
 const MAGIC: &[u8; 4] = b"OMSH";
 const VERSION: u8 = 1;
@@ -301,7 +306,7 @@ impl Drop for ShmServer {
 }
 
 impl ShmServer {
-    pub async fn bind(core: Arc<EngineCore>, cfg: ShmConfig) -> Result<Self> {
+    pub async fn bind(core: Admission, cfg: ShmConfig) -> Result<Self> {
         let socket = format!("omnirig-shm-{:016x}", core.instance);
         let listener = abstract_addr(&socket)
             .and_then(|a| std::os::unix::net::UnixListener::bind_addr(&a))
@@ -314,9 +319,7 @@ impl ShmServer {
             socket,
             host: host_identity(),
         };
-        let live = core.live.clone();
-        let weak = Arc::downgrade(&core);
-        drop(core);
+        let live = core.live().clone();
         let stop = tokio_util::sync::CancellationToken::new();
         let stopped = stop.clone();
         let task = tokio::spawn(async move {
@@ -324,12 +327,15 @@ impl ShmServer {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
-                let Some(core) = weak.upgrade() else { return };
+                if !core.is_open() {
+                    return;
+                }
+                let core = core.clone();
                 // The initiator's pid from the kernel, never from the wire.
                 let pid = match stream.peer_cred().map(|c| c.pid()) {
                     Ok(Some(pid)) => pid,
                     _ => {
-                        warn!(engine = %core.name, "shm peer without credentials refused");
+                        warn!(engine = %core.engine(), "shm peer without credentials refused");
                         continue;
                     }
                 };
@@ -360,12 +366,9 @@ struct Shares {
     order: VecDeque<u64>,
 }
 
-async fn serve(core: Arc<EngineCore>, stream: UnixStream, pid: i32, cfg: ShmConfig) {
+async fn serve(core: Admission, stream: UnixStream, pid: i32, cfg: ShmConfig) {
     let mut shares = Shares::default();
-    let name = core.name.clone();
-    // Only a weak handle across idle waits: a connection must not keep the engine alive.
-    let weak = Arc::downgrade(&core);
-    drop(core);
+    let name = core.engine().to_owned();
     loop {
         let mut b = [0u8; REQUEST_LEN];
         if let Err(e) = read_exact(&stream, &mut b, cfg.busy_poll, false).await {
@@ -380,13 +383,8 @@ async fn serve(core: Arc<EngineCore>, stream: UnixStream, pid: i32, cfg: ShmConf
                 return;
             }
         };
-        let outcome = match weak.upgrade() {
-            Some(core) => handle(&core, &mut shares, pid, &req),
-            None => Err(Error::new(
-                ErrorKind::PeerDisconnected,
-                format!("engine {name} is shut down"),
-            )),
-        };
+        // Admission holds the engine weakly: a shut-down engine refuses with PeerDisconnected.
+        let outcome = handle(&core, &mut shares, pid, &req);
         if write_all(&stream, &reply_bytes(req.req_id, &outcome))
             .await
             .is_err()
@@ -396,7 +394,7 @@ async fn serve(core: Arc<EngineCore>, stream: UnixStream, pid: i32, cfg: ShmConf
     }
 }
 
-fn handle(core: &EngineCore, shares: &mut Shares, pid: i32, req: &Request) -> Result<()> {
+fn handle(core: &Admission, shares: &mut Shares, pid: i32, req: &Request) -> Result<()> {
     match req.kind {
         Kind::Share => {
             let len = usize::try_from(req.len)
@@ -445,39 +443,89 @@ fn handle(core: &EngineCore, shares: &mut Shares, pid: i32, req: &Request) -> Re
 
 // ---------------------------------------------------------------- client
 
-/// Reaches engines of other processes on this host through shared memory.
+impl TransportSetup for ShmConfig {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    /// Binds the engine's shm endpoint; the engine's buffers become sealed memfds.
+    fn start(&self, engine: Admission) -> BoxFuture<'static, Result<Arc<dyn Transport>>> {
+        let cfg = self.clone();
+        Box::pin(async move {
+            let live = engine.live().clone();
+            let server = ShmServer::bind(engine, cfg.clone()).await?;
+            Ok(Arc::new(ShmTransport {
+                host: server.endpoint.host.clone(),
+                endpoint: server.endpoint.clone(),
+                server: Mutex::new(Some(server)),
+                cfg,
+                live,
+            }) as Arc<dyn Transport>)
+        })
+    }
+}
+
+impl ShmEndpoint {
+    fn to_endpoint(&self) -> Endpoint {
+        Endpoint::new(
+            TransportKind::Shm,
+            rmp_serde::to_vec(self).expect("an shm endpoint always encodes"),
+        )
+    }
+
+    /// The peer's shm endpoint, decoded and validated, if it publishes one.
+    fn of(peer: &SegmentDescriptor) -> Result<Option<ShmEndpoint>> {
+        let Some(bytes) = peer.endpoint(TransportKind::Shm) else {
+            return Ok(None);
+        };
+        let e: ShmEndpoint = rmp_serde::from_slice(bytes)
+            .map_err(|e| Error::new(ErrorKind::Malformed, format!("shm endpoint: {e}")))?;
+        e.validate()?;
+        Ok(Some(e))
+    }
+}
+
+/// Serves this engine's memory to, and reaches, engines of other processes on this host
+/// through shared memory.
 pub struct ShmTransport {
     cfg: ShmConfig,
     host: String,
     live: Arc<Liveness>,
-}
-
-impl ShmTransport {
-    pub(crate) fn new(cfg: ShmConfig, live: Arc<Liveness>) -> Self {
-        Self {
-            cfg,
-            host: host_identity(),
-            live,
-        }
-    }
+    endpoint: ShmEndpoint,
+    server: Mutex<Option<ShmServer>>,
 }
 
 impl Transport for ShmTransport {
-    fn name(&self) -> &'static str {
-        "shm"
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
     }
 
     fn reaches(&self, peer: &SegmentDescriptor) -> bool {
-        peer.shm.as_ref().is_some_and(|e| e.host == self.host)
+        ShmEndpoint::of(peer).is_ok_and(|e| e.is_some_and(|e| e.host == self.host))
+    }
+
+    fn endpoint(&self) -> Option<Endpoint> {
+        Some(self.endpoint.to_endpoint())
+    }
+
+    fn memory(&self) -> Option<Arc<dyn MemoryProvider>> {
+        Some(Arc::new(memfd::MemfdProvider))
+    }
+
+    fn shutdown(&self) {
+        drop(self.server.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 
     fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
         let cfg = self.cfg.clone();
         let live = self.live.clone();
         Box::pin(async move {
-            let ep = peer.shm.clone().ok_or_else(|| {
-                Error::new(ErrorKind::NoTransport, "peer has no shm endpoint").with_peer(&peer.name)
-            })?;
+            let ep = ShmEndpoint::of(&peer)
+                .map_err(|e| e.with_peer(&peer.name))?
+                .ok_or_else(|| {
+                    Error::new(ErrorKind::NoTransport, "peer has no shm endpoint")
+                        .with_peer(&peer.name)
+                })?;
             let first = dial(&ep.socket, &live)
                 .await
                 .map_err(|e| e.with_peer(&peer.name))?;
@@ -534,7 +582,7 @@ impl LinkShared {
     }
 
     async fn execute(&self, op: SliceOp) -> Result<()> {
-        let (share_id, fd, file_len) = op.local.shared_file().map(|(i, f, l)| (i, f.as_raw_fd(), l)).ok_or_else(|| {
+        let (share_id, fd, file_len) = shared_file(&op.local).map(|(i, f, l)| (i, f.as_raw_fd(), l)).ok_or_else(|| {
             Error::new(
                 ErrorKind::NoTransport,
                 "local buffer is not shareable (an engine with shm enabled allocates shareable buffers)",
@@ -667,7 +715,7 @@ async fn round_trip(
 impl Link for ShmLink {
     fn info(&self) -> LinkInfo {
         LinkInfo {
-            transport: "shm",
+            transport: TransportKind::Shm,
             device: format!("memfd@{}", self.0.socket),
         }
     }
@@ -779,7 +827,7 @@ mod tests {
 
     #[test]
     fn peer_memory_refuses_unsealed_and_short_files() {
-        use crate::memory::{PeerMemory, Region};
+        use crate::memory::Region;
         use std::os::fd::AsRawFd;
         // A plain file can shrink under a mapping: refused.
         let path = std::env::temp_dir().join(format!("omnirig-shm-test-{}", std::process::id()));
@@ -789,8 +837,8 @@ mod tests {
         assert!(e.to_string().contains("not sealed"), "{e}");
         let _ = std::fs::remove_file(&path);
         // A sealed region announced larger than it is: refused.
-        let r = Region::allocate_shared(4096, false).unwrap();
-        let (_, fd, len) = r.shared_file().unwrap();
+        let r = memfd::allocate_shared(4096).unwrap();
+        let (_, fd, len) = shared_file(&r).unwrap();
         let proc_path = std::path::PathBuf::from(format!(
             "/proc/{}/fd/{}",
             std::process::id(),
