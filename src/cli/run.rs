@@ -9,7 +9,7 @@ use omnirig_harness::{Runner, Scenario};
 pub struct RunArgs {
     /// Scenario YAML (default: the embedded default scenario).
     scenario: Option<PathBuf>,
-    /// Write `report.json` (and its plots, under `plots/`) into this directory.
+    /// Write `report.json`, its page (`index.html`, `summary.md`) and its plots into this directory.
     #[arg(long)]
     report: Option<PathBuf>,
     /// Run each stage as its own OS process on this host: hops the scenario puts on loopback
@@ -52,14 +52,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.report {
         let path = report.write(dir)?;
         println!("report: {}", path.display());
-        // The run's own plots next to it (a failed plot never fails the run).
-        match crate::report::run_plots(&report, &dir.join("plots"), "") {
+        // The run's page, summary and plots next to it (a failed plot never fails the run).
+        match crate::report::write_run_site(&report, dir) {
             Ok(files) => println!(
-                "plots: {} files in {}",
-                files.len(),
-                dir.join("plots").display()
+                "page: {} ({} files)",
+                dir.join("index.html").display(),
+                files.len()
             ),
-            Err(e) => eprintln!("plots: {e:#}"),
+            Err(e) => eprintln!("report page: {e:#}"),
         }
     }
     if !report.passed() {
