@@ -364,7 +364,8 @@ impl Figure {
         let (mut row, mut x) = (0u32, 10i32);
         for k in self.legend() {
             let tw = font.box_size(&k.label).map(|b| b.0 as i32).unwrap_or(200);
-            let w = SWATCH + 8 + tw + 28;
+            // Slack as in `fit`: the viewer's sans-serif may be wider.
+            let w = SWATCH + 8 + tw * 11 / 10 + 24;
             if x > 10 && x + w > W as i32 - 10 {
                 row += 1;
                 x = 10;
@@ -410,9 +411,9 @@ impl Figure {
     {
         a.fill(&WHITE).map_err(err)?;
         let max = W as i32 - 20;
-        let title = ("sans-serif", fit(&self.title, TITLE_PX, max))
-            .into_font()
-            .style(FontStyle::Bold);
+        // Regular weight: the embedded font has no bold face, so a bold title would be
+        // measured narrower than a browser draws it.
+        let title = ("sans-serif", fit(&self.title, TITLE_PX, max)).into_font();
         a.draw(&Text::new(self.title.clone(), (10, 12), title))
             .map_err(err)?;
         let sub = ("sans-serif", fit(&self.subtitle, SUB_PX, max)).into_font();
@@ -545,7 +546,8 @@ fn fit(text: &str, px: u32, max: i32) -> u32 {
             .box_size(text)
             .map(|b| b.0 as i32)
             .unwrap_or(0);
-        if w <= max {
+        // Slack for a viewer whose sans-serif is wider than the embedded DejaVu Sans.
+        if w <= max * 9 / 10 {
             break;
         }
         px -= 1;

@@ -510,11 +510,20 @@ const CHECK_JS: &str = r#"
     if (!svg) { bad.push('figure without svg: ' + fig.id); continue; }
     const fb = svg.getBoundingClientRect();
     if (fb.width < 300 || fb.height < 100) bad.push('figure not rendered: ' + fig.id + ' ' + fb.width + 'x' + fb.height);
+    // A nested svg's own client rect grows to hold whatever overflows it, so each part's box
+    // comes from its attributes, scaled as the figure is.
+    const vb = svg.viewBox.baseVal, k = fb.width / vb.width;
+    const boxOf = p => {
+      const x = +p.getAttribute('x'), y = +p.getAttribute('y');
+      const w = +p.getAttribute('width'), h = +p.getAttribute('height');
+      return { left: fb.left + x * k, top: fb.top + y * k, right: fb.left + (x + w) * k,
+               bottom: fb.top + (y + h) * k, width: w * k, height: h * k };
+    };
     const ps = svg.querySelectorAll('svg.panel');
     if (ps.length === 0) bad.push('figure without panels: ' + fig.id);
     for (const p of ps) {
       panels++;
-      const pb = p.getBoundingClientRect();
+      const pb = boxOf(p);
       if (pb.width < 50 || pb.height < 50) { bad.push('panel not rendered in ' + fig.id); continue; }
       let data = 0;
       for (const e of p.querySelectorAll('polyline, circle, rect')) {
@@ -526,7 +535,7 @@ const CHECK_JS: &str = r#"
       if (data === 0) bad.push('empty panel in ' + fig.id + ': ' + (p.querySelector('text') || {}).textContent);
     }
     for (const part of svg.querySelectorAll('svg.legend, svg.panel')) {
-      const b = part.getBoundingClientRect();
+      const b = boxOf(part);
       const boxes = [];
       for (const t of part.querySelectorAll('text')) {
         texts++;
@@ -692,5 +701,36 @@ fn the_page_renders_in_headless_chromium_with_every_figure_legible() {
             c.texts
         );
     }
+    // The check can fail: a legend entry pushed out of its strip and a panel emptied of data.
+    let html = std::fs::read_to_string(out.join("index.html")).unwrap();
+    let li = html.find("<svg class=\"legend\"").unwrap();
+    let ti = li + html[li..].find("<text x=\"").unwrap() + "<text x=\"".len();
+    let te = ti + html[ti..].find('"').unwrap();
+    let mut broken = format!("{}5000{}", &html[..ti], &html[te..]);
+    let pi = broken.rfind("<svg class=\"panel\"").unwrap();
+    let pe = pi + broken[pi..].find("</svg>").unwrap();
+    let mut panel = broken[pi..pe].to_string();
+    for c in data_colours() {
+        panel = panel.replace(c.as_str(), "\"#EEEEEE\"");
+    }
+    broken.replace_range(pi..pe, &panel);
+    let bdir = dir.join("broken");
+    std::fs::create_dir_all(&bdir).unwrap();
+    std::fs::write(bdir.join("index.html"), broken).unwrap();
+    let c = render_in_chromium(&browser, &bdir.join("index.html"));
+    assert!(
+        c.bad
+            .iter()
+            .any(|b| b.starts_with("text overflows its legend")),
+        "{:?}",
+        c.bad
+    );
+    assert!(
+        c.bad
+            .iter()
+            .any(|b| b.starts_with("empty panel in fig-run-timeline")),
+        "{:?}",
+        c.bad
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
