@@ -147,11 +147,12 @@ pub fn build(sources: &[(String, Input)]) -> anyhow::Result<(Page, Vec<Figure>)>
         .collect();
 
     // Transfer suite.
-    let transfers: Vec<_> = bench
+    let mut transfers: Vec<_> = bench
         .iter()
         .filter(|r| r.1.suite == "transfer")
         .copied()
         .collect();
+    transfers.sort_by_key(|(name, r)| (Wire::parse(&r.transport), name.to_string()));
     if !transfers.is_empty() {
         let mut sec = section(
             "transfer",
@@ -194,6 +195,10 @@ pub fn build(sources: &[(String, Input)]) -> anyhow::Result<(Page, Vec<Figure>)>
             ));
         }
     }
+    // tcp, then shm, loopback, rdma: the same order in every table and figure.
+    for runs in hops.values_mut() {
+        runs.sort_by_key(|(name, r)| (Wire::parse(&r.transport), name.to_string()));
+    }
     for ((_, hop), runs) in &hops {
         let mut sec = section(
             &format!("hop-{hop}"),
@@ -225,11 +230,12 @@ pub fn build(sources: &[(String, Input)]) -> anyhow::Result<(Page, Vec<Figure>)>
     }
 
     // Pipeline suite.
-    let pipes: Vec<_> = bench
+    let mut pipes: Vec<_> = bench
         .iter()
         .filter(|r| r.1.suite == "pipeline")
         .copied()
         .collect();
+    pipes.sort_by_key(|(name, r)| (Wire::parse(&r.transport), name.to_string()));
     if !pipes.is_empty() {
         let mut sec = section("pipeline", "Five-stage pipeline against pickle over ZMQ");
         for (name, r) in &pipes {

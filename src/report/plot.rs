@@ -643,17 +643,77 @@ where
         .margin_right(22)
         .x_label_area_size(46)
         .y_label_area_size(70);
+    let log_axis = |lo: f64, hi: f64, unit: Unit| {
+        let (bold, light) = match unit {
+            // Sizes and concurrency are powers of two: label those.
+            Unit::Bytes | Unit::Count => {
+                let all = pow2_points(lo, hi, 1);
+                let step = all.len().div_ceil(8).max(1) as u32;
+                (pow2_points(lo, hi, step), all)
+            }
+            _ => (log_ticks(lo, hi), log_minor(lo, hi)),
+        };
+        (lo..hi)
+            .log_scale()
+            .with_key_points(bold)
+            .with_light_points(light)
+    };
+    let (xu, yu) = (p.x.unit, p.y.unit);
     if p.y.log {
         let c = b
-            .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
+            .build_cartesian_2d(log_axis(x0, x1, xu), log_axis(y0, y1, yu))
             .map_err(err)?;
         panel_body(c, p, (y0, y1))
     } else {
         let c = b
-            .build_cartesian_2d((x0..x1).log_scale(), y0..y1)
+            .build_cartesian_2d(log_axis(x0, x1, xu), y0..y1)
             .map_err(err)?;
         panel_body(c, p, (y0, y1))
     }
+}
+
+/// Labelled ticks on a log axis: 1-2-5 per decade, thinned to 1-3 or 1 when the range spans
+/// many decades, so a panel carries 3 to 8 labels.
+fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let mut best = Vec::new();
+    for mults in [&[1.0, 2.0, 5.0][..], &[1.0, 3.0], &[1.0]] {
+        let ticks = decade_points(lo, hi, mults);
+        if ticks.len() <= 8 {
+            return ticks;
+        }
+        best = ticks;
+    }
+    let step = best.len().div_ceil(8);
+    best.into_iter().step_by(step).collect()
+}
+
+/// Powers of two in [lo, hi], every `step`-th.
+fn pow2_points(lo: f64, hi: f64, step: u32) -> Vec<f64> {
+    let (a, b) = (lo.log2().ceil() as i32, hi.log2().floor() as i32);
+    (a..=b)
+        .step_by(step.max(1) as usize)
+        .map(|k| 2f64.powi(k))
+        .collect()
+}
+
+/// Grid lines at every 1..9 of each decade.
+fn log_minor(lo: f64, hi: f64) -> Vec<f64> {
+    decade_points(lo, hi, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+}
+
+fn decade_points(lo: f64, hi: f64, mults: &[f64]) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut d = 10f64.powf(lo.log10().floor());
+    while d <= hi {
+        for m in mults {
+            let v = d * m;
+            if v >= lo && v <= hi {
+                out.push(v);
+            }
+        }
+        d *= 10.0;
+    }
+    out
 }
 
 fn panel_body<DB: DrawingBackend, X, Y>(
@@ -671,7 +731,6 @@ where
         .configure_mesh()
         .x_desc(p.x.desc.as_str())
         .y_desc(p.y.desc.as_str())
-        .x_labels(6)
         .y_labels(6)
         .x_label_formatter(&|v| xu.tick(*v))
         .y_label_formatter(&|v| yu.tick(*v))
@@ -871,6 +930,16 @@ mod tests {
         assert_eq!(human_bytes(4096.0), "4 KiB");
         assert_eq!(human_bytes(1.5 * 1024.0 * 1024.0), "1.5 MiB");
         assert_eq!(human_bytes(100.0), "100 B");
+    }
+
+    #[test]
+    fn log_axes_get_a_few_round_ticks() {
+        assert_eq!(log_ticks(30.0, 900.0), vec![50.0, 100.0, 200.0, 500.0]);
+        let wide = log_ticks(1.0, 1e9);
+        assert!(wide.len() <= 8 && wide.len() >= 3, "{wide:?}");
+        assert!(log_minor(1.0, 100.0).len() == 19);
+        assert_eq!(pow2_points(3.0, 40.0, 1), vec![4.0, 8.0, 16.0, 32.0]);
+        assert_eq!(pow2_points(1000.0, 1e9, 4).len(), 5);
     }
 
     #[test]
