@@ -195,7 +195,7 @@ pub struct Results {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Machine {
     pub host: String,
-    /// CPUs this process may run on.
+    /// CPUs the host has online.
     pub cpus: usize,
     pub cpu_model: String,
     pub kernel: String,
@@ -215,9 +215,18 @@ impl Machine {
             .and_then(|l| l.split_once(':'))
             .map(|(_, v)| v.trim().to_string())
             .unwrap_or_default();
+        // The host's CPUs, not this process's: a bench pins itself before it reports.
+        let online = read("/proc/cpuinfo")
+            .lines()
+            .filter(|l| l.starts_with("processor"))
+            .count();
         Machine {
             host: read("/proc/sys/kernel/hostname"),
-            cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            cpus: if online > 0 {
+                online
+            } else {
+                std::thread::available_parallelism().map_or(0, |n| n.get())
+            },
             cpu_model,
             kernel: read("/proc/sys/kernel/osrelease"),
         }

@@ -86,10 +86,11 @@ pub fn write_site(inputs: &[PathBuf], out: &Path) -> anyhow::Result<Vec<PathBuf>
     for p in inputs {
         sources.push((p.display().to_string(), load(p)?));
     }
-    write(sources, out)
+    write(sources, out, None)
 }
 
 /// The report of one run, into its report directory, next to its `report.json`.
+/// The run happened on this host, so its page names it (report.json does not record it).
 pub fn write_run_site(report: &Report, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     write(
         vec![(
@@ -97,12 +98,17 @@ pub fn write_run_site(report: &Report, dir: &Path) -> anyhow::Result<Vec<PathBuf
             Input::Run(Box::new(report.clone())),
         )],
         dir,
+        Some(crate::bench::Machine::this().label()),
     )
 }
 
-fn write(sources: Vec<(String, Input)>, out: &Path) -> anyhow::Result<Vec<PathBuf>> {
+fn write(
+    sources: Vec<(String, Input)>,
+    out: &Path,
+    run_host: Option<String>,
+) -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let (page, figures) = build(&sources)?;
+    let (page, figures) = build(&sources, run_host.as_deref())?;
     let mut files = page.write(out)?;
     for f in &figures {
         files.push(f.write_png(out)?);
@@ -115,8 +121,12 @@ fn write(sources: Vec<(String, Input)>, out: &Path) -> anyhow::Result<Vec<PathBu
     Ok(files)
 }
 
-/// The page and the figures it shows.
-pub fn build(sources: &[(String, Input)]) -> anyhow::Result<(Page, Vec<Figure>)> {
+/// The page and the figures it shows; `run_host` names the machine the run reports ran on,
+/// when the caller knows it.
+pub fn build(
+    sources: &[(String, Input)],
+    run_host: Option<&str>,
+) -> anyhow::Result<(Page, Vec<Figure>)> {
     let mut page = Page {
         title: "omnirig report".into(),
         ..Default::default()
@@ -136,6 +146,9 @@ pub fn build(sources: &[(String, Input)]) -> anyhow::Result<(Page, Vec<Figure>)>
     if !machines.is_empty() {
         page.meta
             .push(format!("Benchmarks measured on: {}", machines.join("; ")));
+    }
+    if let Some(h) = run_host {
+        page.meta.push(format!("Run on: {h}"));
     }
     let mut figures = Vec::new();
     let bench: Vec<(&str, &Results)> = sources
@@ -206,7 +219,7 @@ pub fn build(sources: &[(String, Input)]) -> anyhow::Result<(Page, Vec<Figure>)>
         );
         sec.blocks.push(Block::Para(
             "p50 ratio: the baseline's p50 round trip over omnirig's (above 1: omnirig is \
-             faster); mean-rate ratio: the same with mean rates. The floor: the same bytes \
+             faster); rate ratio: the same with mean rates. The floor: the same bytes \
              through a plain TCP socket between the same CPUs, measured in the same run."
                 .into(),
         ));
@@ -284,7 +297,7 @@ pub fn build(sources: &[(String, Input)]) -> anyhow::Result<(Page, Vec<Figure>)>
             sec.blocks.push(Block::Table(t));
         }
         sec.blocks.push(Block::Pre(r.summary_text()));
-        if let Some(f) = run_cdf_figure(r, &sfx) {
+        if let Some(f) = run_cdf_figure(r, &sfx, run_host) {
             add_figure(&mut sec, &mut figures, f)?;
         }
         if !r.requests.is_empty() {
@@ -396,8 +409,8 @@ fn hop_table(r: &Results) -> Table {
         ("baseline", false),
         ("baseline p50", true),
         ("p99", true),
-        ("p50 ratio (baseline / omnirig)", true),
-        ("mean-rate ratio", true),
+        ("p50 ratio", true),
+        ("rate ratio", true),
         ("floor", false),
         ("floor p50", true),
     ]);
@@ -826,7 +839,7 @@ fn pipeline_figure(runs: &[(&str, &Results)]) -> Figure {
     )
 }
 
-fn run_cdf_figure(r: &Report, sfx: &str) -> Option<Figure> {
+fn run_cdf_figure(r: &Report, sfx: &str, host: Option<&str>) -> Option<Figure> {
     let mut panels = Vec::new();
     for h in &r.hops {
         let mut t: Vec<f64> = Vec::new();
@@ -869,8 +882,10 @@ fn run_cdf_figure(r: &Report, sfx: &str) -> Option<Figure> {
             r.concurrency
         ),
         format!(
-            "one panel per hop and measure; {} requests, {} ok",
-            r.summary.requests, r.summary.ok
+            "one panel per hop and measure; {} requests, {} ok; {}",
+            r.summary.requests,
+            r.summary.ok,
+            host.map_or("machine not recorded".into(), |h| format!("on {h}"))
         ),
         2,
         panels,
