@@ -583,7 +583,7 @@ fn transfer_figure(runs: &[(&str, &Results)]) -> Figure {
 }
 
 /// The omnirig rows of a hop run that carry samples (not the in-process loopback rows).
-fn main_rows<'a>(r: &'a Results) -> impl Iterator<Item = &'a Row> {
+fn main_rows(r: &Results) -> impl Iterator<Item = &Row> {
     r.rows
         .iter()
         .filter(|x| x.op.starts_with("hop-") && !x.op.starts_with("hop-loopback"))
