@@ -869,15 +869,12 @@ fn run_cdf_figure(r: &Report, sfx: &str, host: Option<&str>) -> Option<Figure> {
     if panels.is_empty() {
         return None;
     }
-    let mut ts: Vec<String> = r.hops.iter().map(|h| h.transport.clone()).collect();
-    ts.sort();
-    ts.dedup();
     Some(figure(
         format!("run-cdf{sfx}"),
         format!(
             "Run {}: per-hop latency CDF, omnirig over {} ({}, concurrency {})",
             r.scenario,
-            ts.join(" and "),
+            run_transports(r),
             r.mode,
             r.concurrency
         ),
@@ -892,14 +889,29 @@ fn run_cdf_figure(r: &Report, sfx: &str, host: Option<&str>) -> Option<Figure> {
     ))
 }
 
+/// The transports a run's hops used, tcp first.
+fn run_transports(r: &Report) -> String {
+    let mut ts: Vec<&str> = r.transports.values().map(String::as_str).collect();
+    ts.sort_by_key(|t| (Wire::parse(t), t.to_string()));
+    ts.dedup();
+    if ts.is_empty() {
+        "no transport".into()
+    } else {
+        ts.join(" and ")
+    }
+}
+
 fn run_timeline_figure(r: &Report, sfx: &str) -> Figure {
     let n = r.requests.len();
     let shown = n.min(plot::TIMELINE_MAX_REQUESTS);
     Figure {
         name: format!("run-timeline{sfx}"),
         title: format!(
-            "Run {}: per-request stage timeline ({}, concurrency {})",
-            r.scenario, r.mode, r.concurrency
+            "Run {}: per-request stage timeline, omnirig over {} ({}, concurrency {})",
+            r.scenario,
+            run_transports(r),
+            r.mode,
+            r.concurrency
         ),
         subtitle: if shown < n {
             format!("the first {shown} of {n} requests")

@@ -253,8 +253,9 @@ impl Panel {
     }
 }
 
-/// The empirical CDF of `samples` as (value, fraction <= value), thinned to about 400 points
-/// with the tail kept.
+/// The empirical CDF of `samples` as a step line: (value, fraction of samples <= value),
+/// rising from 0 at the smallest sample; above 400 samples every k-th sample is kept, the
+/// largest always.
 pub fn cdf(samples: &[f64]) -> Vec<(f64, f64)> {
     let mut v: Vec<f64> = samples
         .iter()
@@ -262,20 +263,21 @@ pub fn cdf(samples: &[f64]) -> Vec<(f64, f64)> {
         .filter(|x| x.is_finite() && *x > 0.0)
         .collect();
     v.sort_by(f64::total_cmp);
-    let n = v.len() as f64;
-    let pts: Vec<(f64, f64)> = v
-        .iter()
-        .enumerate()
-        .map(|(i, &x)| (x, (i + 1) as f64 / n))
-        .collect();
-    let step = pts.len().div_ceil(400).max(1);
-    let mut thin: Vec<(f64, f64)> = pts.iter().step_by(step).copied().collect();
-    if let (Some(last), Some(kept)) = (pts.last(), thin.last())
-        && last != kept
-    {
-        thin.push(*last);
+    let n = v.len();
+    let step = n.div_ceil(400).max(1);
+    let mut keep: Vec<usize> = (0..n).step_by(step).collect();
+    if n > 0 && keep.last() != Some(&(n - 1)) {
+        keep.push(n - 1);
     }
-    thin
+    let mut out = Vec::with_capacity(2 * keep.len());
+    let mut below = 0.0;
+    for i in keep {
+        let frac = (i + 1) as f64 / n as f64;
+        out.push((v[i], below));
+        out.push((v[i], frac));
+        below = frac;
+    }
+    out
 }
 
 /// A legend entry: a coloured solid line (a method), a grey styled line (a transport) or a
@@ -946,9 +948,16 @@ mod tests {
     fn a_cdf_ends_at_one_and_keeps_the_tail() {
         let v: Vec<f64> = (1..=1000).map(f64::from).collect();
         let c = cdf(&v);
-        assert!(c.len() <= 402, "{}", c.len());
+        assert!(c.len() <= 804, "{}", c.len());
+        assert_eq!(c[0], (1.0, 0.0));
         assert_eq!(*c.last().unwrap(), (1000.0, 1.0));
         assert!(c.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 <= w[1].1));
+        // Steps: up at each sample, flat between.
+        assert_eq!(
+            cdf(&[3.0, 1.0]),
+            vec![(1.0, 0.0), (1.0, 0.5), (3.0, 0.5), (3.0, 1.0)]
+        );
+        assert!(cdf(&[0.0, f64::NAN]).is_empty());
     }
 
     #[test]
