@@ -346,7 +346,16 @@ fn machines(runs: &[&Results]) -> String {
 fn transports(runs: &[&Results]) -> String {
     let mut t: Vec<&str> = runs.iter().map(|r| r.transport.as_str()).collect();
     t.dedup();
-    t.join(" and ")
+    and_list(&t)
+}
+
+/// "a", "a and b", "a, b and c".
+fn and_list(items: &[&str]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
 }
 
 fn ratio(x: f64) -> String {
@@ -532,8 +541,12 @@ fn transfer_figure(runs: &[(&str, &Results)]) -> Figure {
     let mut panels = Vec::new();
     for (_, r) in runs {
         let wire = Wire::parse(&r.transport);
-        let mut ops: Vec<&str> = r.rows.iter().map(|x| x.op.as_str()).collect();
-        ops.dedup();
+        let mut ops: Vec<&str> = Vec::new();
+        for x in &r.rows {
+            if !ops.contains(&x.op.as_str()) {
+                ops.push(&x.op);
+            }
+        }
         for op in ops {
             let rows: Vec<&Row> = r.rows.iter().filter(|x| x.op == op).collect();
             let mut p = Panel::new(
@@ -550,16 +563,24 @@ fn transfer_figure(runs: &[(&str, &Results)]) -> Figure {
                     .map(|x| (x.size as f64, x.omnirig.gbps))
                     .collect(),
             });
-            let mut bases: Vec<&str> = rows.iter().map(|x| x.baseline.name.as_str()).collect();
-            bases.sort();
-            bases.dedup();
-            for b in bases {
+            // One line per method: the tcp floor is the best plain socket per size, whichever
+            // variant (polled, blocking) that was.
+            let mut methods: Vec<Method> = rows
+                .iter()
+                .map(|x| Method::of_baseline(&x.baseline.name))
+                .collect();
+            methods.sort();
+            methods.dedup();
+            for m in methods {
+                let these: Vec<&&Row> = rows
+                    .iter()
+                    .filter(|x| Method::of_baseline(&x.baseline.name) == m)
+                    .collect();
                 p.lines.push(Line {
-                    method: Method::of_baseline(b),
-                    wire: Wire::of_baseline(b),
-                    pts: rows
+                    method: m,
+                    wire: Wire::of_baseline(&these[0].baseline.name),
+                    pts: these
                         .iter()
-                        .filter(|x| x.baseline.name == b)
                         .map(|x| (x.size as f64, x.baseline.gbps))
                         .collect(),
                 });
@@ -897,7 +918,7 @@ fn run_transports(r: &Report) -> String {
     if ts.is_empty() {
         "no transport".into()
     } else {
-        ts.join(" and ")
+        and_list(&ts)
     }
 }
 

@@ -328,6 +328,8 @@ impl Figure {
             let mut wires: Vec<Wire> = panels
                 .iter()
                 .flat_map(|p| p.lines.iter().map(|l| l.wire))
+                // The memcpy floor's wire goes without saying (its method key names it).
+                .filter(|w| *w != Wire::Memory)
                 .collect();
             wires.sort();
             wires.dedup();
