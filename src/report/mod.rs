@@ -476,11 +476,10 @@ fn pipeline_table(r: &Results) -> Table {
 fn run_verdicts(r: &Report) -> Vec<String> {
     let s = &r.summary;
     vec![format!(
-        "{}: {}/{} requests ok, every byte verified{}, pools {}",
+        "{}: {}/{} requests ok (every byte of those verified), pools {}",
         if r.passed() { "PASSED" } else { "FAILED" },
         s.ok,
         s.requests,
-        if s.failed == 0 { "" } else { " on the rest" },
         if s.pools_clean {
             "back to zero"
         } else {

@@ -246,10 +246,14 @@ impl Panel {
         }
     }
 
+    /// Whether any line has a point the axes can show (x > 0 on the log x axis, y > 0 too
+    /// on a log y axis).
     pub fn has_data(&self) -> bool {
-        self.lines
-            .iter()
-            .any(|l| l.pts.iter().any(|p| p.0 > 0.0 && p.1.is_finite()))
+        self.lines.iter().any(|l| {
+            l.pts
+                .iter()
+                .any(|p| p.0 > 0.0 && p.1.is_finite() && (!self.y.log || p.1 > 0.0))
+        })
     }
 }
 

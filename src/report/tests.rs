@@ -130,7 +130,8 @@ fn run_report(dir: &Path) -> PathBuf {
             .map(|i| RequestResult {
                 id: format!("00{i}-x"),
                 label: "x".into(),
-                ok: true,
+                ok: i != 2,
+                error: (i == 2).then(|| "kv_cache: timed out <after 5 s> & gave up".into()),
                 e2e_ms: 9.0 + i as f64,
                 hops: vec![HopResult {
                     hop: "kv_cache".into(),
@@ -391,6 +392,14 @@ fn every_suite_and_a_run_report_make_one_well_formed_page() {
     );
     assert!(html.contains("ci-host (2 CPUs, Test CPU &lt;&amp;&gt;)"));
     assert!(html.contains("Run t&lt;&amp;&gt;"));
+    // A failed request is named, with its error, escaped.
+    assert!(
+        html.contains("<li class=\"missed\">FAILED: 2/3 requests ok"),
+        "{html}"
+    );
+    assert!(
+        html.contains("<td>002-x</td><td>kv_cache: timed out &lt;after 5 s&gt; &amp; gave up</td>")
+    );
     assert!(!html.contains("(tcp, two processes)"));
     // One colour per method: every hop figure's legend names each method once.
     let legend = html
@@ -413,7 +422,7 @@ fn every_suite_and_a_run_report_make_one_well_formed_page() {
     }
     // Verdicts and tables per run; summary.md has the same tables.
     assert!(html.contains("thinker-talker &gt;= 5x pickle"));
-    assert_eq!(html.matches("<table>").count(), 2 + 3 + 1 + 1);
+    assert_eq!(html.matches("<table>").count(), 2 + 3 + 1 + 2);
     let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
     assert_eq!(
         md.matches("\n|---").count(),
