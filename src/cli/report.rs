@@ -12,7 +12,7 @@ pub struct ReportArgs {
     #[arg(required = true)]
     inputs: Vec<PathBuf>,
     /// Where index.html, summary.md and the PNG and SVG files go.
-    #[arg(long, default_value = "out/plots")]
+    #[arg(long, default_value = "out/report")]
     out: PathBuf,
     /// Also write the benchmark results as markdown tables to this file (`-` for stdout).
     #[arg(long)]
