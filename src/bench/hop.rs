@@ -1085,6 +1085,7 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
         suite: "hop".into(),
         transport: o.transport.to_string(),
         rows,
+        machine: Some(super::Machine::this()),
     })
 }
 

@@ -196,6 +196,66 @@ pub struct Results {
     pub suite: String,
     pub transport: String,
     pub rows: Vec<Row>,
+    /// Where the figures were measured (reports name the machine in titles); absent in
+    /// results written before the field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<Machine>,
+}
+
+/// The host a benchmark ran on, as reports name it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Machine {
+    pub host: String,
+    /// CPUs the host has online.
+    pub cpus: usize,
+    pub cpu_model: String,
+    pub kernel: String,
+}
+
+impl Machine {
+    /// This host, read from /proc (fields it cannot read stay empty).
+    pub fn this() -> Self {
+        let read = |p: &str| {
+            std::fs::read_to_string(p)
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default()
+        };
+        let cpu_model = read("/proc/cpuinfo")
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default();
+        // The host's CPUs, not this process's: a bench pins itself before it reports.
+        let online = read("/proc/cpuinfo")
+            .lines()
+            .filter(|l| l.starts_with("processor"))
+            .count();
+        Machine {
+            host: read("/proc/sys/kernel/hostname"),
+            cpus: if online > 0 {
+                online
+            } else {
+                std::thread::available_parallelism().map_or(0, |n| n.get())
+            },
+            cpu_model,
+            kernel: read("/proc/sys/kernel/osrelease"),
+        }
+    }
+
+    /// "host (2 CPUs, model)" for titles.
+    pub fn label(&self) -> String {
+        let mut s = if self.host.is_empty() {
+            "unnamed host".to_string()
+        } else {
+            self.host.clone()
+        };
+        s += &format!(" ({} CPUs", self.cpus);
+        if !self.cpu_model.is_empty() {
+            s += &format!(", {}", self.cpu_model);
+        }
+        s + ")"
+    }
 }
 
 impl Results {
@@ -401,6 +461,7 @@ mod tests {
             suite: "transfer".into(),
             transport: "shm".into(),
             rows: vec![row.clone()],
+            machine: None,
         }
         .markdown();
         let lines: Vec<&str> = t.lines().collect();
@@ -425,6 +486,7 @@ mod tests {
             suite: "hop".into(),
             transport: "tcp".into(),
             rows: vec![hop],
+            machine: None,
         }
         .markdown();
         let last = t.lines().last().unwrap();

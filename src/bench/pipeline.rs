@@ -86,6 +86,7 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
         suite: "pipeline".into(),
         transport: o.transport.to_string(),
         rows,
+        machine: Some(super::Machine::this()),
     })
 }
 

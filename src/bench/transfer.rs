@@ -46,6 +46,7 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
         suite: "transfer".into(),
         transport: o.transport.to_string(),
         rows,
+        machine: Some(super::Machine::this()),
     })
 }
 

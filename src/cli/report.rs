@@ -1,4 +1,5 @@
-//! `omnirig report RESULTS.json... --out DIR [--markdown FILE]`: plots from benchmark results
+//! `omnirig report RESULTS.json... --out DIR [--markdown FILE]`: the report page
+//! (`DIR/index.html`, `DIR/summary.md`, every figure as PNG and SVG) from benchmark results
 //! and run reports, and the markdown tables of the benchmark results.
 
 use std::path::PathBuf;
@@ -10,8 +11,8 @@ pub struct ReportArgs {
     /// `bench ... --json` results and/or a run's report.json.
     #[arg(required = true)]
     inputs: Vec<PathBuf>,
-    /// Where the PNG and SVG files go.
-    #[arg(long, default_value = "out/plots")]
+    /// Where index.html, summary.md and the PNG and SVG files go.
+    #[arg(long, default_value = "out/report")]
     out: PathBuf,
     /// Also write the benchmark results as markdown tables to this file (`-` for stdout).
     #[arg(long)]
@@ -24,15 +25,12 @@ pub fn run(a: ReportArgs) -> anyhow::Result<()> {
         if path.as_os_str() == "-" {
             print!("{md}");
         } else {
-            std::fs::write(path, md).with_context(|| format!("writing {}", path.display()))?;
+            crate::report::html::write_atomic(path, md.as_bytes())
+                .with_context(|| format!("writing {}", path.display()))?;
             println!("{}", path.display());
         }
     }
-    let files = crate::report::render(&a.inputs, &a.out)?;
-    if files.is_empty() && a.markdown.is_none() {
-        anyhow::bail!("nothing to plot in the inputs");
-    }
-    for f in files {
+    for f in crate::report::write_site(&a.inputs, &a.out)? {
         println!("{}", f.display());
     }
     Ok(())

@@ -9,7 +9,7 @@ use omnirig_harness::{Runner, Scenario};
 pub struct RunArgs {
     /// Scenario YAML (default: the embedded default scenario).
     scenario: Option<PathBuf>,
-    /// Write `report.json` (and its plots, under `plots/`) into this directory.
+    /// Write `report.json`, its page (`index.html`, `summary.md`) and its plots into this directory.
     #[arg(long)]
     report: Option<PathBuf>,
     /// Run each stage as its own OS process on this host: hops the scenario puts on loopback
@@ -67,11 +67,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.report {
         let path = report.write(dir)?;
         println!("report: {}", path.display());
-        // The run's own plots next to it; a plot that cannot be drawn fails the command.
-        let plots = dir.join("plots");
-        let files = crate::report::run_plots(&report, &plots, "")
-            .with_context(|| format!("plots in {}", plots.display()))?;
-        println!("plots: {} files in {}", files.len(), plots.display());
+        // The run's page, summary and plots next to it; one that cannot be written fails
+        // the command (the run's verdict is printed above either way).
+        let files = crate::report::write_run_site(&report, dir)
+            .with_context(|| format!("report page in {}", dir.display()))?;
+        println!(
+            "page: {} ({} files)",
+            dir.join("index.html").display(),
+            files.len()
+        );
     }
     if !report.passed() {
         std::process::exit(1);

@@ -1,74 +1,38 @@
-//! `omnirig report RESULTS.json... --out DIR`: plots (PNG and SVG) from benchmark results
-//! (`bench transfer|hop|pipeline --json`) and run reports (`run --report DIR` -> report.json).
+//! `omnirig report RESULTS.json... --out DIR` and `omnirig run --report DIR`: one writer for
+//! both. It writes `DIR/index.html` (one self-contained page: per suite and hop the verdict
+//! lines, the tables against each baseline with the plain-socket or memcpy floor, and the
+//! figures inline as SVG), `DIR/summary.md` (the same tables and verdicts, for pasting into an
+//! issue) and every figure as `NAME.png` and `NAME.svg`. Every file is written to a temporary
+//! name and renamed into place.
 //!
-//! - `bandwidth.{png,svg}`: GB/s against payload size, log-log, one line per transport and
-//!   suite, the baselines (memcpy, raw socket, ib_write_bw, pickle, pickle5-oob) dashed.
-//! - `latency-cdf-<hop>.{png,svg}`: hop round-trip CDF per case, omnirig against the baselines
-//!   (`bench hop`); `run-cdf.{png,svg}`: per-hop transfer and handoff CDFs of a run.
-//! - `pipeline-latency.{png,svg}`, `pipeline-throughput.{png,svg}`: end-to-end p50/p99 and
-//!   requests/s against concurrency (`bench pipeline`).
-//! - `run-timeline.{png,svg}`: per-request stage timeline of a run (report.json).
+//! Figures (small multiples, see [`plot`]):
+//! - `bandwidth`: transfer suite, GB/s against payload size, one panel per transport and op,
+//!   the floor (memcpy, raw socket, ib_write_bw) in grey.
+//! - `latency-cdf-<hop>`: hop round-trip CDFs, one panel per case and transport, omnirig and
+//!   pickle, pickle5-oob, pickle-shm measured interleaved in that run, the plain-socket floor's
+//!   p50 as a vertical line; `bandwidth-<hop>`: GB/s per case size, one panel per transport.
+//! - `pipeline`: end-to-end p50, p99 and throughput against concurrency (`bench pipeline`).
+//! - `run-cdf`: a run's per-hop transfer and handoff CDFs; `run-timeline`: per request and
+//!   stage, receive / compute / send.
 //!
 //! Text is drawn with an embedded DejaVu Sans (fonts/, Bitstream Vera licence), so no system
 //! font library is needed.
+
+pub mod html;
+pub mod plot;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use omnirig_harness::Report;
-use plotters::coord::Shift;
-use plotters::prelude::*;
 
-use crate::bench::Results;
+use crate::bench::{Results, Row};
+use html::{Block, FigureRef, Page, Section, Table};
+use plot::{Axis, Body, Figure, Line, Method, Panel, Unit, Wire, human_bytes, human_time};
 
-const FONT: &[u8] = include_bytes!("fonts/DejaVuSans.ttf");
-const W: u32 = 1200;
-const H: u32 = 750;
-
-fn register_font() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        for style in [FontStyle::Normal, FontStyle::Bold] {
-            // The embedded font is valid; a failure here is a build bug.
-            let _ = plotters::style::register_font("sans-serif", style, FONT);
-        }
-    });
-}
-
-/// Draws `$body` (with the drawing area bound to `$a`) to `name.png` and `name.svg`.
-macro_rules! both {
-    ($out:expr, $name:expr, |$a:ident| $body:expr) => {{
-        let name: String = $name.to_string();
-        let png = $out.join(format!("{name}.png"));
-        let svg = $out.join(format!("{name}.svg"));
-        // Drawn under temporary names (the extension picks the format), renamed when whole.
-        let png_tmp = $out.join(format!(".{name}.tmp-{}.png", std::process::id()));
-        let svg_tmp = $out.join(format!(".{name}.tmp-{}.svg", std::process::id()));
-        {
-            let root = BitMapBackend::new(&png_tmp, (W, H)).into_drawing_area();
-            root.fill(&WHITE).map_err(err)?;
-            {
-                let $a = &root;
-                $body?;
-            }
-            root.present().map_err(err)?;
-        }
-        {
-            let root = SVGBackend::new(&svg_tmp, (W, H)).into_drawing_area();
-            root.fill(&WHITE).map_err(err)?;
-            {
-                let $a = &root;
-                $body?;
-            }
-            root.present().map_err(err)?;
-        }
-        for (tmp, path) in [(&png_tmp, &png), (&svg_tmp, &svg)] {
-            std::fs::rename(tmp, path).with_context(|| format!("writing {}", path.display()))?;
-        }
-        vec![png, svg]
-    }};
-}
+#[allow(unused_imports)]
+pub use plot::stage_spans;
 
 /// One input file.
 pub enum Input {
@@ -139,65 +103,789 @@ pub fn markdown(inputs: &[PathBuf]) -> anyhow::Result<String> {
     Ok(out)
 }
 
-/// Renders every plot the inputs allow into `out`; returns the files written.
-pub fn render(inputs: &[PathBuf], out: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    register_font();
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut bench = Vec::new();
-    let mut runs = Vec::new();
+/// Loads `inputs` and writes the report into `out` (see the module doc); returns the files
+/// written, `index.html` first.
+pub fn write_site(inputs: &[PathBuf], out: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut sources = Vec::new();
     for p in inputs {
-        match load(p)? {
-            Input::Bench(r) => bench.push(r),
-            Input::Run(r) => runs.push(*r),
+        sources.push((p.display().to_string(), load(p)?));
+    }
+    write(sources, out, None)
+}
+
+/// The report of one run, into its report directory, next to its `report.json`.
+/// The run happened on this host, so its page names it (report.json does not record it).
+pub fn write_run_site(report: &Report, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    write(
+        vec![(
+            "report.json".to_string(),
+            Input::Run(Box::new(report.clone())),
+        )],
+        dir,
+        Some(crate::bench::Machine::this().label()),
+    )
+}
+
+fn write(
+    sources: Vec<(String, Input)>,
+    out: &Path,
+    run_host: Option<String>,
+) -> anyhow::Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let (page, figures) = build(&sources, run_host.as_deref())?;
+    let mut files = page.write(out)?;
+    for f in &figures {
+        files.push(f.write_png(out)?);
+        let svg = f.svg()?;
+        files.push(html::write_atomic(
+            &out.join(format!("{}.svg", f.name)),
+            svg.as_bytes(),
+        )?);
+    }
+    Ok(files)
+}
+
+/// The page and the figures it shows; `run_host` names the machine the run reports ran on,
+/// when the caller knows it.
+pub fn build(
+    sources: &[(String, Input)],
+    run_host: Option<&str>,
+) -> anyhow::Result<(Page, Vec<Figure>)> {
+    let mut page = Page {
+        title: "omnirig report".into(),
+        ..Default::default()
+    };
+    let names: Vec<&str> = sources.iter().map(|s| s.0.as_str()).collect();
+    page.meta
+        .push(format!("Written by omnirig from: {}", names.join(", ")));
+    let mut machines: Vec<String> = sources
+        .iter()
+        .filter_map(|s| match &s.1 {
+            Input::Bench(r) => r.machine.as_ref().map(|m| m.label()),
+            Input::Run(_) => None,
+        })
+        .collect();
+    machines.sort();
+    machines.dedup();
+    if !machines.is_empty() {
+        page.meta
+            .push(format!("Benchmarks measured on: {}", machines.join("; ")));
+    }
+    if let Some(h) = run_host {
+        page.meta.push(format!("Run on: {h}"));
+    }
+    let mut figures = Vec::new();
+    let bench: Vec<(&str, &Results)> = sources
+        .iter()
+        .filter_map(|(n, i)| match i {
+            Input::Bench(r) => Some((n.as_str(), r)),
+            Input::Run(_) => None,
+        })
+        .collect();
+
+    // Transfer suite.
+    let mut transfers: Vec<_> = bench
+        .iter()
+        .filter(|r| r.1.suite == "transfer")
+        .copied()
+        .collect();
+    transfers.sort_by_key(|(name, r)| (Wire::parse(&r.transport), name.to_string()));
+    if !transfers.is_empty() {
+        let mut sec = section(
+            "transfer",
+            "Transfer suite: engine against the physical floor",
+        );
+        for (name, r) in &transfers {
+            sec.blocks.push(Block::Heading(format!(
+                "omnirig over {} ({name})",
+                r.transport
+            )));
+            sec.blocks
+                .push(Block::Verdicts(crate::bench::transfer::verdicts(r)));
+            sec.blocks.push(Block::Table(transfer_table(r)));
+        }
+        add_figure(&mut sec, &mut figures, transfer_figure(&transfers))?;
+        page.sections.push(sec);
+    }
+
+    // Hop suite, one section per hop.
+    let mut hops: BTreeMap<(usize, String), Vec<(&str, Results)>> = BTreeMap::new();
+    for (name, r) in bench.iter().filter(|r| r.1.suite == "hop") {
+        let mut by_hop: BTreeMap<String, Vec<Row>> = BTreeMap::new();
+        for row in &r.rows {
+            by_hop
+                .entry(row.hop.clone().unwrap_or_else(|| "hop".into()))
+                .or_default()
+                .push(row.clone());
+        }
+        for (hop, rows) in by_hop {
+            let order = ["ec", "kv", "thinker-talker", "talker-code2wav"]
+                .iter()
+                .position(|h| *h == hop)
+                .unwrap_or(usize::MAX);
+            hops.entry((order, hop)).or_default().push((
+                name,
+                Results {
+                    rows,
+                    ..(*r).clone()
+                },
+            ));
         }
     }
-    let mut written = Vec::new();
-    let bw = bandwidth_series(&bench, false);
-    if !bw.is_empty() {
-        let t = "Effective bandwidth vs payload size (log-log): engine vs physical baselines";
-        written.extend(both!(out, "bandwidth", |a| bandwidth_chart(a, t, &bw)));
+    // tcp, then shm, loopback, rdma: the same order in every table and figure.
+    for runs in hops.values_mut() {
+        runs.sort_by_key(|(name, r)| (Wire::parse(&r.transport), name.to_string()));
     }
-    let bw = bandwidth_series(&bench, true);
-    if !bw.is_empty() {
-        let t = "Hop bandwidth vs payload size (log-log): tensor-native vs pickle over ZMQ";
-        written.extend(both!(out, "bandwidth-hops", |a| bandwidth_chart(a, t, &bw)));
+    for ((_, hop), runs) in &hops {
+        let mut sec = section(
+            &format!("hop-{hop}"),
+            &format!("{hop} hop: omnirig against the pickle baselines"),
+        );
+        sec.blocks.push(Block::Para(
+            "p50 ratio: the baseline's p50 round trip over omnirig's (above 1: omnirig is \
+             faster); rate ratio: the same with mean rates. The floor: the same bytes \
+             through a plain TCP socket between the same CPUs, measured in the same run."
+                .into(),
+        ));
+        for (name, r) in runs {
+            sec.blocks.push(Block::Heading(format!(
+                "omnirig over {} ({name})",
+                r.transport
+            )));
+            sec.blocks
+                .push(Block::Verdicts(crate::bench::hop::verdicts(r)));
+            sec.blocks.push(Block::Table(hop_table(r)));
+        }
+        let runs: Vec<&Results> = runs.iter().map(|r| &r.1).collect();
+        if let Some(f) = hop_cdf_figure(hop, &runs) {
+            add_figure(&mut sec, &mut figures, f)?;
+        }
+        if let Some(f) = hop_bandwidth_figure(hop, &runs) {
+            add_figure(&mut sec, &mut figures, f)?;
+        }
+        page.sections.push(sec);
     }
-    for (hop, series) in hop_cdfs(&bench) {
-        let title = format!("Hop round-trip latency CDF: {hop} (tcp, two processes)");
-        written.extend(both!(out, format!("latency-cdf-{hop}"), |a| cdf_chart(
-            a,
-            &title,
-            "round trip (us, log)",
-            &series
-        )));
-    }
-    let pipes: Vec<&Results> = bench.iter().filter(|r| r.suite == "pipeline").collect();
+
+    // Pipeline suite.
+    let mut pipes: Vec<_> = bench
+        .iter()
+        .filter(|r| r.1.suite == "pipeline")
+        .copied()
+        .collect();
+    pipes.sort_by_key(|(name, r)| (Wire::parse(&r.transport), name.to_string()));
     if !pipes.is_empty() {
-        written.extend(both!(out, "pipeline-latency", |a| pipeline_latency(
-            a, &pipes
-        )));
-        written.extend(both!(out, "pipeline-throughput", |a| pipeline_throughput(
-            a, &pipes
-        )));
+        let mut sec = section("pipeline", "Five-stage pipeline against pickle over ZMQ");
+        for (name, r) in &pipes {
+            sec.blocks.push(Block::Heading(format!(
+                "omnirig over {} ({name})",
+                r.transport
+            )));
+            sec.blocks
+                .push(Block::Verdicts(crate::bench::pipeline::verdicts(r)));
+            sec.blocks.push(Block::Table(pipeline_table(r)));
+        }
+        add_figure(&mut sec, &mut figures, pipeline_figure(&pipes))?;
+        page.sections.push(sec);
     }
-    for (i, r) in runs.iter().enumerate() {
+
+    // Run reports.
+    let runs: Vec<(&str, &Report)> = sources
+        .iter()
+        .filter_map(|(n, i)| match i {
+            Input::Run(r) => Some((n.as_str(), &**r)),
+            Input::Bench(_) => None,
+        })
+        .collect();
+    for (i, (name, r)) in runs.iter().enumerate() {
         let sfx = if runs.len() > 1 {
             format!("-{i}")
         } else {
             String::new()
         };
-        written.extend(run_plots(r, out, &sfx)?);
+        let mut sec = section(
+            &format!("run{sfx}"),
+            &format!(
+                "Run {} ({}, concurrency {}, {name})",
+                r.scenario, r.mode, r.concurrency
+            ),
+        );
+        sec.blocks.push(Block::Verdicts(run_verdicts(r)));
+        sec.blocks.push(Block::Table(run_hop_table(r)));
+        let failed: Vec<_> = r.requests.iter().filter(|q| !q.ok).collect();
+        if !failed.is_empty() {
+            let mut t = Table::new(&[("request", false), ("error", false)]);
+            for q in failed {
+                t.push(vec![q.id.clone(), q.error.clone().unwrap_or_default()]);
+            }
+            sec.blocks.push(Block::Heading("Failed requests".into()));
+            sec.blocks.push(Block::Table(t));
+        }
+        sec.blocks.push(Block::Pre(r.summary_text()));
+        if let Some(f) = run_cdf_figure(r, &sfx, run_host) {
+            add_figure(&mut sec, &mut figures, f)?;
+        }
+        if !r.requests.is_empty() {
+            add_figure(&mut sec, &mut figures, run_timeline_figure(r, &sfx))?;
+        }
+        page.sections.push(sec);
     }
-    Ok(written)
+    if page.sections.is_empty() {
+        anyhow::bail!("nothing to report in the inputs");
+    }
+    Ok((page, figures))
 }
 
-/// The plots of one run: per-hop CDFs and the request timeline.
-pub fn run_plots(r: &Report, out: &Path, sfx: &str) -> anyhow::Result<Vec<PathBuf>> {
-    register_font();
-    std::fs::create_dir_all(out)?;
-    let mut written = Vec::new();
-    let mut series = Vec::new();
-    for (i, h) in r.hops.iter().enumerate() {
+fn section(id: &str, title: &str) -> Section {
+    Section {
+        id: id.into(),
+        title: title.into(),
+        blocks: vec![],
+    }
+}
+
+fn add_figure(sec: &mut Section, figures: &mut Vec<Figure>, f: Figure) -> anyhow::Result<()> {
+    sec.blocks.push(Block::Figure(FigureRef {
+        name: f.name.clone(),
+        title: f.title.clone(),
+        svg: f.svg()?,
+    }));
+    figures.push(f);
+    Ok(())
+}
+
+fn machines(runs: &[&Results]) -> String {
+    let mut m: Vec<String> = runs
+        .iter()
+        .filter_map(|r| r.machine.as_ref().map(|m| m.label()))
+        .collect();
+    m.sort();
+    m.dedup();
+    if m.is_empty() {
+        "machine not recorded".into()
+    } else {
+        format!("on {}", m.join("; "))
+    }
+}
+
+fn transports(runs: &[&Results]) -> String {
+    let mut t: Vec<&str> = runs.iter().map(|r| r.transport.as_str()).collect();
+    t.dedup();
+    and_list(&t)
+}
+
+/// "a", "a and b", "a, b and c".
+fn and_list(items: &[&str]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
+}
+
+fn ratio(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.2}x")
+    } else {
+        "-".into()
+    }
+}
+
+fn time(us: f64) -> String {
+    if us.is_finite() {
+        human_time(us)
+    } else {
+        "-".into()
+    }
+}
+
+fn p50x(r: &Row) -> f64 {
+    r.baseline.p50_us / r.omnirig.p50_us
+}
+
+// ---------------------------------------------------------------- tables
+
+fn transfer_table(r: &Results) -> Table {
+    let mut t = Table::new(&[
+        ("op", false),
+        ("size", true),
+        ("omnirig GB/s", true),
+        ("p50", true),
+        ("p99", true),
+        ("floor", false),
+        ("floor GB/s", true),
+        ("floor p50", true),
+        ("rate ratio", true),
+    ]);
+    for x in &r.rows {
+        t.push(vec![
+            x.op.clone(),
+            human_bytes(x.size as f64),
+            format!("{:.3}", x.omnirig.gbps),
+            time(x.omnirig.p50_us),
+            time(x.omnirig.p99_us),
+            x.baseline.name.clone(),
+            format!("{:.3}", x.baseline.gbps),
+            time(x.baseline.p50_us),
+            ratio(x.ratio),
+        ]);
+    }
+    t
+}
+
+fn hop_table(r: &Results) -> Table {
+    let mut t = Table::new(&[
+        ("omnirig path", false),
+        ("case", false),
+        ("size", true),
+        ("omnirig p50", true),
+        ("p99", true),
+        ("baseline", false),
+        ("baseline p50", true),
+        ("p99", true),
+        ("p50 ratio", true),
+        ("rate ratio", true),
+        ("floor", false),
+        ("floor p50", true),
+    ]);
+    for x in &r.rows {
+        t.push(vec![
+            x.op.clone(),
+            x.case.clone().unwrap_or_default(),
+            human_bytes(x.size as f64),
+            time(x.omnirig.p50_us),
+            time(x.omnirig.p99_us),
+            x.baseline.name.clone(),
+            time(x.baseline.p50_us),
+            time(x.baseline.p99_us.unwrap_or(f64::NAN)),
+            ratio(p50x(x)),
+            ratio(x.ratio),
+            x.floor.as_ref().map(|f| f.name.clone()).unwrap_or_default(),
+            x.floor.as_ref().map_or("-".into(), |f| time(f.p50_us)),
+        ]);
+    }
+    t
+}
+
+fn pipeline_table(r: &Results) -> Table {
+    let mut t = Table::new(&[
+        ("concurrency", true),
+        ("bytes per request", true),
+        ("omnirig p50", true),
+        ("p99", true),
+        ("baseline", false),
+        ("baseline p50", true),
+        ("p99", true),
+        ("p50 ratio", true),
+        ("omnirig req/s", true),
+        ("baseline req/s", true),
+    ]);
+    for x in &r.rows {
+        let (to, tb) = x.throughput_rps.unwrap_or((f64::NAN, f64::NAN));
+        t.push(vec![
+            x.concurrency.map(|c| c.to_string()).unwrap_or_default(),
+            human_bytes(x.size as f64),
+            time(x.omnirig.p50_us),
+            time(x.omnirig.p99_us),
+            x.baseline.name.clone(),
+            time(x.baseline.p50_us),
+            time(x.baseline.p99_us.unwrap_or(f64::NAN)),
+            ratio(p50x(x)),
+            format!("{to:.1}"),
+            format!("{tb:.1}"),
+        ]);
+    }
+    t
+}
+
+fn run_verdicts(r: &Report) -> Vec<String> {
+    let s = &r.summary;
+    vec![format!(
+        "{}: {}/{} requests ok (every byte of those verified), pools {}",
+        if r.passed() { "PASSED" } else { "FAILED" },
+        s.ok,
+        s.requests,
+        if s.pools_clean {
+            "back to zero"
+        } else {
+            "NOT back to zero"
+        },
+    )]
+}
+
+fn run_hop_table(r: &Report) -> Table {
+    let mut t = Table::new(&[
+        ("hop", false),
+        ("transport", false),
+        ("requests", true),
+        ("moved", true),
+        ("reused", true),
+        ("transfer p50", true),
+        ("transfer p99", true),
+        ("GB/s", true),
+        ("handoff p50", true),
+        ("handoff p99", true),
+    ]);
+    for h in &r.hops {
+        t.push(vec![
+            h.hop.clone(),
+            h.transport.clone(),
+            h.requests.to_string(),
+            human_bytes(h.moved_bytes as f64),
+            human_bytes(h.reused_bytes as f64),
+            time(h.transfer_ms_p50 * 1e3),
+            time(h.transfer_ms_p99 * 1e3),
+            format!("{:.3}", h.gbps),
+            time(h.handoff_ms_p50 * 1e3),
+            time(h.handoff_ms_p99 * 1e3),
+        ]);
+    }
+    t
+}
+
+// ---------------------------------------------------------------- figures
+
+fn figure(
+    name: String,
+    title: String,
+    subtitle: String,
+    cols: usize,
+    panels: Vec<Panel>,
+) -> Figure {
+    Figure {
+        name,
+        title,
+        subtitle,
+        body: Body::Panels { cols, panels },
+        keys: vec![],
+    }
+}
+
+fn transfer_figure(runs: &[(&str, &Results)]) -> Figure {
+    let mut panels = Vec::new();
+    for (_, r) in runs {
+        let wire = Wire::parse(&r.transport);
+        let mut ops: Vec<&str> = Vec::new();
+        for x in &r.rows {
+            if !ops.contains(&x.op.as_str()) {
+                ops.push(&x.op);
+            }
+        }
+        for op in ops {
+            let rows: Vec<&Row> = r.rows.iter().filter(|x| x.op == op).collect();
+            let mut p = Panel::new(
+                format!("{op} over {}", r.transport),
+                Axis::new("payload size", Unit::Bytes, true),
+                Axis::new("GB/s (1e9 B/s, log)", Unit::GBps, true),
+            );
+            p.dots = true;
+            p.lines.push(Line {
+                method: Method::Omnirig,
+                wire,
+                pts: rows
+                    .iter()
+                    .map(|x| (x.size as f64, x.omnirig.gbps))
+                    .collect(),
+            });
+            // One line per method: the tcp floor is the best plain socket per size, whichever
+            // variant (polled, blocking) that was.
+            let mut methods: Vec<Method> = rows
+                .iter()
+                .map(|x| Method::of_baseline(&x.baseline.name))
+                .collect();
+            methods.sort();
+            methods.dedup();
+            for m in methods {
+                let these: Vec<&&Row> = rows
+                    .iter()
+                    .filter(|x| Method::of_baseline(&x.baseline.name) == m)
+                    .collect();
+                p.lines.push(Line {
+                    method: m,
+                    wire: Wire::of_baseline(&these[0].baseline.name),
+                    pts: these
+                        .iter()
+                        .map(|x| (x.size as f64, x.baseline.gbps))
+                        .collect(),
+                });
+            }
+            if p.has_data() {
+                panels.push(p);
+            }
+        }
+    }
+    let rs: Vec<&Results> = runs.iter().map(|r| r.1).collect();
+    figure(
+        "bandwidth".into(),
+        format!(
+            "Transfer suite: bandwidth vs payload size, omnirig over {} vs the physical floor",
+            transports(&rs)
+        ),
+        format!("one panel per transport and op; {}", machines(&rs)),
+        2,
+        panels,
+    )
+}
+
+/// The omnirig rows of a hop run that carry samples (not the in-process loopback rows).
+fn main_rows(r: &Results) -> impl Iterator<Item = &Row> {
+    r.rows
+        .iter()
+        .filter(|x| x.op.starts_with("hop-") && !x.op.starts_with("hop-loopback"))
+}
+
+fn cases(runs: &[&Results]) -> Vec<(String, u64)> {
+    let mut out: Vec<(String, u64)> = Vec::new();
+    for r in runs {
+        for x in &r.rows {
+            let c = x.case.clone().unwrap_or_default();
+            if !out.iter().any(|o| o.0 == c) {
+                out.push((c, x.size));
+            }
+        }
+    }
+    out
+}
+
+fn hop_cdf_figure(hop: &str, runs: &[&Results]) -> Option<Figure> {
+    let mut panels = Vec::new();
+    for (case, size) in cases(runs) {
+        for r in runs {
+            let rows: Vec<&Row> = main_rows(r)
+                .filter(|x| x.case.as_deref().unwrap_or_default() == case)
+                .collect();
+            let Some(first) = rows.first() else { continue };
+            let mut p = Panel::new(
+                format!(
+                    "{case} ({}), omnirig over {}",
+                    human_bytes(size as f64),
+                    r.transport
+                ),
+                Axis::new("round trip (log)", Unit::Micros, true),
+                Axis::new("fraction of round trips", Unit::Fraction, false),
+            );
+            if let Some(s) = &first.omnirig.samples_us {
+                p.lines.push(Line {
+                    method: Method::Omnirig,
+                    wire: Wire::parse(&r.transport),
+                    pts: plot::cdf(s),
+                });
+            }
+            for x in &rows {
+                if let Some(s) = &x.baseline.samples_us {
+                    p.lines.push(Line {
+                        method: Method::of_baseline(&x.baseline.name),
+                        wire: Wire::of_baseline(&x.baseline.name),
+                        pts: plot::cdf(s),
+                    });
+                }
+            }
+            if let Some(f) = &first.floor {
+                p.marks.push((f.p50_us, Method::Floor));
+            }
+            if p.has_data() {
+                panels.push(p);
+            }
+        }
+    }
+    if panels.is_empty() {
+        return None;
+    }
+    let n = runs.len().clamp(2, 3);
+    Some(figure(
+        format!("latency-cdf-{hop}"),
+        format!(
+            "{hop} hop: round-trip latency CDF per case, omnirig over {} vs pickle baselines (two processes)",
+            transports(runs)
+        ),
+        format!(
+            "one panel per case and transport; each panel's lines measured interleaved in one run; {}",
+            machines(runs)
+        ),
+        n,
+        panels,
+    ))
+}
+
+fn hop_bandwidth_figure(hop: &str, runs: &[&Results]) -> Option<Figure> {
+    let mut panels = Vec::new();
+    for r in runs {
+        let mut p = Panel::new(
+            format!("{hop} hop, omnirig over {}", r.transport),
+            Axis::new("payload size per handoff", Unit::Bytes, true),
+            Axis::new("GB/s (1e9 B/s, log)", Unit::GBps, true),
+        );
+        p.dots = true;
+        let pts = |f: &dyn Fn(&Row) -> Option<f64>, rows: &mut dyn Iterator<Item = &Row>| {
+            let mut v: Vec<(f64, f64)> = Vec::new();
+            for x in rows {
+                if let Some(y) = f(x)
+                    && !v.iter().any(|q| q.0 == x.size as f64)
+                {
+                    v.push((x.size as f64, y));
+                }
+            }
+            v.sort_by(|a, b| a.0.total_cmp(&b.0));
+            v
+        };
+        let ours = pts(&|x| Some(x.omnirig.gbps), &mut main_rows(r));
+        p.lines.push(Line {
+            method: Method::Omnirig,
+            wire: Wire::parse(&r.transport),
+            pts: ours,
+        });
+        let lb = pts(
+            &|x| Some(x.omnirig.gbps),
+            &mut r.rows.iter().filter(|x| x.op.starts_with("hop-loopback")),
+        );
+        if !lb.is_empty() {
+            p.lines.push(Line {
+                method: Method::Omnirig,
+                wire: Wire::Loopback,
+                pts: lb,
+            });
+        }
+        let mut bases: Vec<&str> = r.rows.iter().map(|x| x.baseline.name.as_str()).collect();
+        bases.sort();
+        bases.dedup();
+        for b in bases {
+            let v = pts(
+                &|x| Some(x.baseline.gbps),
+                &mut main_rows(r).filter(|x| x.baseline.name == b),
+            );
+            p.lines.push(Line {
+                method: Method::of_baseline(b),
+                wire: Wire::of_baseline(b),
+                pts: v,
+            });
+        }
+        let floor = pts(&|x| x.floor.as_ref().map(|f| f.gbps), &mut main_rows(r));
+        if !floor.is_empty() {
+            p.lines.push(Line {
+                method: Method::Floor,
+                wire: Wire::Tcp,
+                pts: floor,
+            });
+        }
+        if p.has_data() {
+            panels.push(p);
+        }
+    }
+    if panels.is_empty() {
+        return None;
+    }
+    Some(figure(
+        format!("bandwidth-{hop}"),
+        format!(
+            "{hop} hop: effective bandwidth per case size, omnirig over {} vs pickle baselines",
+            transports(runs)
+        ),
+        format!(
+            "one panel per transport, one point per case (bytes / mean round trip); {}",
+            machines(runs)
+        ),
+        2,
+        panels,
+    ))
+}
+
+fn pipeline_figure(runs: &[(&str, &Results)]) -> Figure {
+    let rs: Vec<&Results> = runs.iter().map(|r| r.1).collect();
+    let mut lat50 = Panel::new(
+        "p50 end-to-end latency".into(),
+        Axis::new("requests in flight", Unit::Count, true),
+        Axis::new("p50 latency (log)", Unit::Micros, true),
+    );
+    let mut lat99 = Panel::new(
+        "p99 end-to-end latency".into(),
+        Axis::new("requests in flight", Unit::Count, true),
+        Axis::new("p99 latency (log)", Unit::Micros, true),
+    );
+    let mut rps = Panel::new(
+        "throughput".into(),
+        Axis::new("requests in flight", Unit::Count, true),
+        Axis::new("requests / s", Unit::Rps, false),
+    );
+    for p in [&mut lat50, &mut lat99, &mut rps] {
+        p.dots = true;
+    }
+    // omnirig per run; each baseline once (every run measures the same current path; the
+    // first run's figures are drawn).
+    let mut seen: Vec<String> = Vec::new();
+    for r in &rs {
+        let rows: Vec<&Row> = r.rows.iter().filter(|x| x.concurrency.is_some()).collect();
+        let c = |x: &Row| x.concurrency.unwrap_or(1) as f64;
+        let wire = Wire::parse(&r.transport);
+        let mut ours: Vec<&Row> = Vec::new();
+        for x in &rows {
+            if !ours.iter().any(|o| o.concurrency == x.concurrency) {
+                ours.push(x);
+            }
+        }
+        let line = |m, w, f: &dyn Fn(&Row) -> f64, rows: &[&Row]| Line {
+            method: m,
+            wire: w,
+            pts: rows.iter().map(|x| (c(x), f(x))).collect(),
+        };
+        lat50
+            .lines
+            .push(line(Method::Omnirig, wire, &|x| x.omnirig.p50_us, &ours));
+        lat99
+            .lines
+            .push(line(Method::Omnirig, wire, &|x| x.omnirig.p99_us, &ours));
+        rps.lines.push(line(
+            Method::Omnirig,
+            wire,
+            &|x| x.throughput_rps.map_or(f64::NAN, |t| t.0),
+            &ours,
+        ));
+        let mut bases: Vec<&str> = rows.iter().map(|x| x.baseline.name.as_str()).collect();
+        bases.sort();
+        bases.dedup();
+        for b in bases {
+            if seen.iter().any(|s| s == b) {
+                continue;
+            }
+            seen.push(b.to_string());
+            let brows: Vec<&Row> = rows
+                .iter()
+                .filter(|x| x.baseline.name == b)
+                .copied()
+                .collect();
+            let (m, w) = (Method::of_baseline(b), Wire::of_baseline(b));
+            lat50.lines.push(line(m, w, &|x| x.baseline.p50_us, &brows));
+            lat99.lines.push(line(
+                m,
+                w,
+                &|x| x.baseline.p99_us.unwrap_or(f64::NAN),
+                &brows,
+            ));
+            rps.lines.push(line(
+                m,
+                w,
+                &|x| x.throughput_rps.map_or(f64::NAN, |t| t.1),
+                &brows,
+            ));
+        }
+    }
+    let panels = [lat50, lat99, rps]
+        .into_iter()
+        .filter(Panel::has_data)
+        .collect();
+    figure(
+        "pipeline".into(),
+        format!(
+            "Five-stage pipeline vs concurrency: omnirig over {} vs pickle over ZMQ",
+            transports(&rs)
+        ),
+        format!("stages as processes on one host; {}", machines(&rs)),
+        2,
+        panels,
+    )
+}
+
+fn run_cdf_figure(r: &Report, sfx: &str, host: Option<&str>) -> Option<Figure> {
+    let mut panels = Vec::new();
+    for h in &r.hops {
         let mut t: Vec<f64> = Vec::new();
         let mut hd: Vec<f64> = Vec::new();
         for q in &r.requests {
@@ -206,959 +894,78 @@ pub fn run_plots(r: &Report, out: &Path, sfx: &str) -> anyhow::Result<Vec<PathBu
                 hd.push(x.handoff_ms * 1e3);
             }
         }
-        let c = color(i);
-        series.push(Series::new(format!("{} transfer", h.hop), t, c, 0));
-        series.push(Series::new(format!("{} handoff", h.hop), hd, c, 1));
-    }
-    if series.iter().any(|s| !s.y.is_empty()) {
-        let title = format!(
-            "Run {} ({}, concurrency {}): per-hop latency CDF",
-            r.scenario, r.mode, r.concurrency
-        );
-        written.extend(both!(out, format!("run-cdf{sfx}"), |a| cdf_chart(
-            a,
-            &title,
-            "latency (us, log)",
-            &series
-        )));
-    }
-    if !r.requests.is_empty() {
-        written.extend(both!(out, format!("run-timeline{sfx}"), |a| timeline(a, r)));
-    }
-    Ok(written)
-}
-
-const PALETTE: [RGBColor; 10] = [
-    RGBColor(31, 119, 180),
-    RGBColor(214, 39, 40),
-    RGBColor(44, 160, 44),
-    RGBColor(255, 127, 14),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(127, 127, 127),
-    RGBColor(188, 189, 34),
-    RGBColor(23, 190, 207),
-];
-
-fn color(i: usize) -> RGBColor {
-    PALETTE[i % PALETTE.len()]
-}
-
-/// A line: (x, y) points (or raw values for a CDF), a colour, dashed or not.
-struct Series {
-    name: String,
-    x: Vec<f64>,
-    y: Vec<f64>,
-    color: RGBColor,
-    /// 0 solid, 1 dashed, 2 dotted.
-    dash: u8,
-}
-
-impl Series {
-    fn new(name: String, y: Vec<f64>, color: RGBColor, dash: u8) -> Self {
-        Self {
-            name,
-            x: vec![],
-            y,
-            color,
-            dash,
-        }
-    }
-}
-
-/// Values an axis spans at most: plotters walks an axis decade by decade, so an empty
-/// range (no plottable value: `f64::MAX..f64::MIN`) or one reaching infinity never ends.
-const AXIS_MIN: f64 = 1e-12;
-const AXIS_MAX: f64 = 1e15;
-
-/// The range of the positive finite values of `v`, clamped to [`AXIS_MIN`]..[`AXIS_MAX`];
-/// `(1, 10)` when there is none.
-fn bounds(v: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = v
-        .filter(|x| x.is_finite() && *x > 0.0)
-        .map(|x| x.clamp(AXIS_MIN, AXIS_MAX))
-        .fold((f64::MAX, f64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
-    if lo > hi { (1.0, 10.0) } else { (lo, hi) }
-}
-
-/// Draws one line, dashed as a run of short segments.
-fn draw_line<DB: DrawingBackend, X, Y>(
-    chart: &mut ChartContext<'_, DB, Cartesian2d<X, Y>>,
-    s: &Series,
-    pts: Vec<(f64, f64)>,
-) -> anyhow::Result<()>
-where
-    X: Ranged<ValueType = f64>,
-    Y: Ranged<ValueType = f64>,
-    DB::ErrorType: 'static,
-{
-    // Points far outside the axis would overflow the pixel arithmetic: keep them at its edge.
-    let pts: Vec<(f64, f64)> = pts
-        .into_iter()
-        .filter(|(x, y)| !x.is_nan() && !y.is_nan())
-        .map(|(x, y)| (x.clamp(-AXIS_MAX, AXIS_MAX), y.clamp(-AXIS_MAX, AXIS_MAX)))
-        .collect();
-    let style = s.color.stroke_width(3);
-    let c = s.color;
-    match s.dash {
-        0 => chart.draw_series(LineSeries::new(pts.clone(), style))?,
-        1 => chart.draw_series(DashedLineSeries::new(pts.clone(), 12, 6, style))?,
-        _ => chart.draw_series(DashedLineSeries::new(pts.clone(), 3, 5, style))?,
-    };
-    if pts.len() <= 40 {
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
-    }
-    Ok(())
-}
-
-/// Legend entries from pixel (x0, y0) of `area`, one per line.
-fn legend_entries<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    series: &[Series],
-    x0: i32,
-    y0: i32,
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let mut y = y0;
-    for s in series {
-        let style = s.color.stroke_width(3);
-        let segs: Vec<(i32, i32)> = match s.dash {
-            0 => vec![(0, 34)],
-            1 => vec![(0, 12), (18, 30)],
-            _ => vec![(0, 3), (8, 11), (16, 19), (24, 27), (32, 35)],
-        };
-        for (a, b) in segs {
-            area.draw(&PathElement::new(vec![(x0 + a, y), (x0 + b, y)], style))?;
-        }
-        area.draw(&Text::new(
-            s.name.clone(),
-            (x0 + 44, y - 8),
-            ("sans-serif", 15),
-        ))?;
-        y += 24;
-    }
-    Ok(())
-}
-
-/// The legend, drawn beside the plot (never over the data).
-fn side_legend<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    series: &[Series],
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    legend_entries(area, series, 6, 90)
-}
-
-/// A boxed legend at pixel (x, y) of `area`.
-fn legend_box<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    series: &[Series],
-    x: i32,
-    y: i32,
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let h = 24 * series.len() as i32 + 12;
-    area.draw(&Rectangle::new(
-        [(x, y), (x + 300, y + h)],
-        WHITE.mix(0.9).filled(),
-    ))?;
-    area.draw(&Rectangle::new([(x, y), (x + 300, y + h)], BLACK))?;
-    legend_entries(area, series, x + 10, y + 18)
-}
-
-fn err<E: std::error::Error + Send + Sync + 'static>(e: E) -> anyhow::Error {
-    anyhow::anyhow!("{e}")
-}
-
-// ---------------------------------------------------------------- bandwidth
-
-/// Lines of the bandwidth charts: `hops` false -> the transfer suite (omnirig per transport
-/// and op; memcpy, raw socket, ib_write_bw dashed), true -> the hop suites (omnirig per hop
-/// solid, pickle dashed, pickle5-oob dotted, one colour per hop).
-fn bandwidth_series(results: &[Results], hops: bool) -> Vec<Series> {
-    // (group, dash, name) -> points
-    let mut lines: BTreeMap<(String, u8, String), Vec<(f64, f64)>> = BTreeMap::new();
-    for r in results
-        .iter()
-        .filter(|r| (r.suite == "hop") == hops && r.suite != "pipeline")
-    {
-        for row in &r.rows {
-            let (group, ours) = match &row.hop {
-                // One line per hop and transport: inline rows are that transport's small sizes.
-                Some(h) => {
-                    let t = row
-                        .op
-                        .trim_start_matches("hop-")
-                        .trim_end_matches("-inline");
-                    (h.clone(), format!("omnirig {h} ({t})"))
-                }
-                None => (
-                    format!("{} {}", r.transport, row.op),
-                    format!("omnirig {} {}", r.transport, row.op),
-                ),
-            };
-            lines
-                .entry((group.clone(), 0, ours))
-                .or_default()
-                .push((row.size as f64, row.omnirig.gbps));
-            let n = row.baseline.name.as_str();
-            let (bgroup, dash, name) = match &row.hop {
-                Some(h) => (
-                    h.clone(),
-                    if n.contains('5') { 2 } else { 1 },
-                    format!("{n} ({h})"),
-                ),
-                None if n.starts_with("raw") => ("~raw".into(), 1, "raw socket (tcp)".into()),
-                None => (format!("~{n}"), 1, n.to_string()),
-            };
-            lines
-                .entry((bgroup, dash, name))
-                .or_default()
-                .push((row.size as f64, row.baseline.gbps));
-        }
-    }
-    let mut groups: Vec<String> = lines.keys().map(|k| k.0.clone()).collect();
-    groups.dedup();
-    lines
-        .into_iter()
-        .map(|((group, dash, name), mut pts)| {
-            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            pts.dedup_by(|a, b| a.0 == b.0);
-            let gi = groups.iter().position(|g| *g == group).unwrap_or(0);
-            // Same hue per hop; shm (ours, and the pickle-shm wire) a darker shade, so the
-            // same-host lines read apart from the tcp ones.
-            let c = color(gi);
-            let c = if name.ends_with("(shm)") || name.starts_with("pickle-shm") {
-                RGBColor(c.0 / 2, c.1 / 2, c.2 / 2)
-            } else {
-                c
-            };
-            Series {
-                name,
-                x: pts.iter().map(|p| p.0).collect(),
-                y: pts.iter().map(|p| p.1).collect(),
-                color: c,
-                dash,
-            }
-        })
-        .collect()
-}
-
-/// Byte counts on log axes, SI (10 kB, 1 MB).
-fn si_bytes(x: f64) -> String {
-    match x {
-        x if x >= 1e9 => format!("{} GB", x / 1e9),
-        x if x >= 1e6 => format!("{} MB", x / 1e6),
-        x if x >= 1e3 => format!("{} kB", x / 1e3),
-        x => format!("{x} B"),
-    }
-}
-
-fn bandwidth_chart<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    title: &str,
-    series: &[Series],
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let (area, legend) = area.split_horizontally(W - 330);
-    side_legend(&legend, series)?;
-    let area = &area;
-    let (x0, x1) = bounds(series.iter().flat_map(|s| s.x.iter().copied()));
-    let (y0, y1) = bounds(series.iter().flat_map(|s| s.y.iter().copied()));
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 24))
-        .margin(20)
-        .x_label_area_size(60)
-        .y_label_area_size(80)
-        .build_cartesian_2d(
-            (x0 / 1.5..x1 * 1.5).log_scale(),
-            (y0 / 2.0..y1 * 2.0).log_scale(),
-        )
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("payload size (bytes)")
-        .y_desc("GB/s (1e9 B/s)")
-        .x_label_formatter(&|x| si_bytes(*x))
-        .y_label_formatter(&|y| format!("{y:.3}"))
-        .label_style(("sans-serif", 18))
-        .axis_desc_style(("sans-serif", 22))
-        .draw()
-        .map_err(err)?;
-    for s in series {
-        let pts = s.x.iter().copied().zip(s.y.iter().copied()).collect();
-        draw_line(&mut chart, s, pts)?;
-    }
-    Ok(())
-}
-
-// ---------------------------------------------------------------- CDFs
-
-fn hop_cdfs(results: &[Results]) -> BTreeMap<String, Vec<Series>> {
-    let mut out: BTreeMap<String, Vec<Series>> = BTreeMap::new();
-    for r in results.iter().filter(|r| r.suite == "hop") {
-        let mut cases: Vec<String> = Vec::new();
-        for row in &r.rows {
-            let (Some(hop), Some(case)) = (&row.hop, &row.case) else {
-                continue;
-            };
-            if !cases.contains(case) {
-                cases.push(case.clone());
-            }
-            let c = color(cases.iter().position(|x| x == case).unwrap_or(0));
-            let v = out.entry(hop.clone()).or_default();
-            let ours = format!("omnirig {} {case}", row.op);
-            if let Some(s) = &row.omnirig.samples_us
-                && !v.iter().any(|x| x.name == ours)
-            {
-                v.push(Series::new(ours, s.clone(), c, 0));
-            }
-            if let Some(s) = &row.baseline.samples_us {
-                let name = format!("{} {case}", row.baseline.name);
-                // pickle dashed; pickle5-oob dashed in a lighter shade of the case colour.
-                let shade = if row.baseline.name.contains('5') {
-                    RGBColor(c.0 / 2 + 100, c.1 / 2 + 100, c.2 / 2 + 100)
-                } else {
-                    c
-                };
-                v.push(Series::new(
-                    name,
-                    s.clone(),
-                    shade,
-                    if row.baseline.name.contains('5') {
-                        2
-                    } else {
-                        1
-                    },
-                ));
+        for (what, v) in [("engine transfer", t), ("handoff (offer to verified)", hd)] {
+            let mut p = Panel::new(
+                format!("{} over {}: {what}", h.hop, h.transport),
+                Axis::new("latency (log)", Unit::Micros, true),
+                Axis::new("fraction of requests", Unit::Fraction, false),
+            );
+            p.lines.push(Line {
+                method: Method::Omnirig,
+                wire: Wire::parse(&h.transport),
+                pts: plot::cdf(&v),
+            });
+            if p.has_data() {
+                panels.push(p);
             }
         }
     }
-    out
+    if panels.is_empty() {
+        return None;
+    }
+    Some(figure(
+        format!("run-cdf{sfx}"),
+        format!(
+            "Run {}: per-hop latency CDF, omnirig over {} ({}, concurrency {})",
+            r.scenario,
+            run_transports(r),
+            r.mode,
+            r.concurrency
+        ),
+        format!(
+            "one panel per hop and measure; {} requests, {} ok; {}",
+            r.summary.requests,
+            r.summary.ok,
+            host.map_or("machine not recorded".into(), |h| format!("on {h}"))
+        ),
+        2,
+        panels,
+    ))
 }
 
-fn cdf_chart<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    title: &str,
-    xdesc: &str,
-    series: &[Series],
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let (x0, x1) = bounds(series.iter().flat_map(|s| s.y.iter().copied()));
-    if x0 > x1 {
-        return Ok(());
+/// The transports a run's hops used, tcp first.
+fn run_transports(r: &Report) -> String {
+    let mut ts: Vec<&str> = r.transports.values().map(String::as_str).collect();
+    ts.sort_by_key(|t| (Wire::parse(t), t.to_string()));
+    ts.dedup();
+    if ts.is_empty() {
+        "no transport".into()
+    } else {
+        and_list(&ts)
     }
-    let (area, legend) = area.split_horizontally(W - 300);
-    side_legend(&legend, series)?;
-    let area = &area;
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 28))
-        .margin(20)
-        .x_label_area_size(60)
-        .y_label_area_size(70)
-        .build_cartesian_2d((x0 / 1.3..x1 * 1.3).log_scale(), 0.0..1.0)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc(xdesc)
-        .y_desc("fraction of samples <= x")
-        .x_label_formatter(&|x| {
-            if *x >= 100.0 {
-                format!("{x:.0}")
-            } else {
-                format!("{x:.1}")
-            }
-        })
-        .label_style(("sans-serif", 18))
-        .axis_desc_style(("sans-serif", 22))
-        .draw()
-        .map_err(err)?;
-    for s in series.iter().filter(|s| !s.y.is_empty()) {
-        let mut v: Vec<f64> = s.y.iter().copied().filter(|x| *x > 0.0).collect();
-        v.sort_by(f64::total_cmp);
-        let n = v.len() as f64;
-        let pts: Vec<(f64, f64)> = v
-            .iter()
-            .enumerate()
-            .map(|(i, &x)| (x, (i + 1) as f64 / n))
-            .collect();
-        // Thin the line for plotting; keep the tail.
-        let step = (pts.len() / 400).max(1);
-        let mut thin: Vec<(f64, f64)> = pts.iter().step_by(step).copied().collect();
-        if let Some(last) = pts.last() {
-            thin.push(*last);
-        }
-        draw_line(&mut chart, s, thin)?;
-    }
-    Ok(())
 }
 
-// ---------------------------------------------------------------- pipeline
-
-/// Per side (omnirig, then each baseline): (concurrency, p50 ms, p99 ms, requests/s) points.
-type PipePoints = Vec<(String, Vec<(f64, f64, f64, f64)>)>;
-
-fn pipeline_points(pipes: &[&Results]) -> PipePoints {
-    // omnirig sides first (one per transport), then the baselines (once: every run measures
-    // the same current path; the first run's figures are drawn).
-    let mut ours: PipePoints = Vec::new();
-    let mut bases: PipePoints = Vec::new();
-    let side = |sides: &mut PipePoints, name: String| -> usize {
-        match sides.iter().position(|s| s.0 == name) {
-            Some(i) => i,
-            None => {
-                sides.push((name, vec![]));
-                sides.len() - 1
-            }
-        }
-    };
-    for r in pipes {
-        for row in &r.rows {
-            let Some(c) = row.concurrency else { continue };
-            let c = c as f64;
-            let (ro, rb) = row.throughput_rps.unwrap_or((f64::NAN, f64::NAN));
-            let i = side(&mut ours, format!("omnirig over {}", r.transport));
-            if !ours[i].1.iter().any(|p| p.0 == c) {
-                ours[i]
-                    .1
-                    .push((c, row.omnirig.p50_us / 1e3, row.omnirig.p99_us / 1e3, ro));
-            }
-            let i = side(&mut bases, row.baseline.name.clone());
-            if !bases[i].1.iter().any(|p| p.0 == c) {
-                bases[i].1.push((
-                    c,
-                    row.baseline.p50_us / 1e3,
-                    row.baseline.p99_us.unwrap_or(f64::NAN) / 1e3,
-                    rb,
-                ));
-            }
-        }
-    }
-    let mut sides = ours;
-    sides.extend(bases);
-    for s in &mut sides {
-        s.1.sort_by(|a, b| a.0.total_cmp(&b.0));
-    }
-    sides
-}
-
-fn pipeline_latency<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    pipes: &[&Results],
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let sides = pipeline_points(pipes);
-    let (x0, x1) = bounds(sides.iter().flat_map(|s| s.1.iter().map(|p| p.0)));
-    let (y0, y1) = bounds(
-        sides
-            .iter()
-            .flat_map(|s| s.1.iter().flat_map(|p| [p.1, p.2])),
-    );
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            "Five-stage request latency vs concurrency (processes on 127.0.0.1)",
-            ("sans-serif", 28),
-        )
-        .margin(20)
-        .x_label_area_size(60)
-        .y_label_area_size(80)
-        .build_cartesian_2d(
-            (x0 / 1.3..x1 * 1.3).log_scale(),
-            (y0 / 1.5..y1 * 1.5).log_scale(),
-        )
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("requests in flight (concurrency)")
-        .y_desc("end-to-end latency (ms, log)")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| format!("{y:.1}"))
-        .label_style(("sans-serif", 18))
-        .axis_desc_style(("sans-serif", 22))
-        .draw()
-        .map_err(err)?;
-    let mut legend = Vec::new();
-    for (i, (name, pts)) in sides.iter().enumerate() {
-        for (pi, q) in ["p50", "p99"].iter().enumerate() {
-            let s = Series {
-                name: format!("{name} {q}"),
-                x: vec![],
-                y: vec![],
-                color: color(i),
-                dash: if pi == 0 { 0 } else { 1 },
-            };
-            let xy = pts
-                .iter()
-                .map(|p| (p.0, if pi == 0 { p.1 } else { p.2 }))
-                .collect();
-            draw_line(&mut chart, &s, xy)?;
-            legend.push(s);
-        }
-    }
-    legend_box(area, &legend, 130, 90)?;
-    Ok(())
-}
-
-fn pipeline_throughput<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    pipes: &[&Results],
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let sides = pipeline_points(pipes);
-    let (x0, x1) = bounds(sides.iter().flat_map(|s| s.1.iter().map(|p| p.0)));
-    let (_, y1) = bounds(sides.iter().flat_map(|s| s.1.iter().map(|p| p.3)));
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            "Five-stage throughput vs concurrency (processes on 127.0.0.1)",
-            ("sans-serif", 28),
-        )
-        .margin(20)
-        .x_label_area_size(60)
-        .y_label_area_size(80)
-        .build_cartesian_2d((x0 / 1.3..x1 * 1.3).log_scale(), 0.0..y1 * 1.5)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("requests in flight (concurrency)")
-        .y_desc("requests / s")
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .label_style(("sans-serif", 18))
-        .axis_desc_style(("sans-serif", 22))
-        .draw()
-        .map_err(err)?;
-    let mut legend = Vec::new();
-    for (i, (name, pts)) in sides.iter().enumerate() {
-        let s = Series {
-            name: if name.starts_with("omnirig") {
-                format!("{name} (tensor-native)")
-            } else {
-                format!("{name} over ZMQ (current path)")
-            },
-            x: vec![],
-            y: vec![],
-            color: color(i),
-            dash: if name.starts_with("omnirig") { 0 } else { 1 },
-        };
-        draw_line(&mut chart, &s, pts.iter().map(|p| (p.0, p.3)).collect())?;
-        legend.push(s);
-    }
-    legend_box(area, &legend, 130, 90)?;
-    Ok(())
-}
-
-// ---------------------------------------------------------------- timeline
-
-/// (stage, start ms, receive ms, compute ms, send ms).
-pub type StageSpan = (String, f64, f64, f64, f64);
-
-/// Per request, per stage: `[start, end]` relative to the request's start, split into
-/// receive (offer -> inputs verified), compute, and send (the outbound engine transfer).
-/// Stages start with the request and wait for their inbound offer, so a stage's end is its
-/// `total_ms`; its busy span is laid back from there (handoff + compute + transfer).
-pub fn stage_spans(r: &Report) -> Vec<(String, Vec<StageSpan>)> {
-    r.requests
-        .iter()
-        .map(|q| {
-            let spans = q
-                .stages
-                .iter()
-                .filter(|s| s.participated)
-                .map(|s| {
-                    let recv = s.received.as_ref().map_or(0.0, |x| x.handoff_ms);
-                    let send = s.sent.as_ref().map_or(0.0, |x| x.transfer_ms);
-                    let end = s.total_ms;
-                    let start = (end - recv - s.compute_ms - send).max(0.0);
-                    (s.stage.clone(), start, recv, s.compute_ms, send)
-                })
-                .collect();
-            (q.id.clone(), spans)
-        })
-        .collect()
-}
-
-fn timeline<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, r: &Report) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    let spans = stage_spans(r);
-    let stages = [
-        "encoder",
-        "thinker_prefill",
-        "thinker_decode",
-        "talker",
-        "code2wav",
-    ];
-    let rows = spans.len() * stages.len();
-    let xmax = bounds(r.requests.iter().map(|q| q.e2e_ms)).1.max(1.0);
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            format!(
-                "Per-request stage timeline: {} ({}, concurrency {})",
-                r.scenario, r.mode, r.concurrency
-            ),
-            ("sans-serif", 26),
-        )
-        .margin(20)
-        .x_label_area_size(60)
-        .y_label_area_size(260)
-        .build_cartesian_2d(0.0..xmax * 1.05, (0..rows as i32).into_segmented())
-        .map_err(err)?;
-    let labels: Vec<String> = spans
-        .iter()
-        .flat_map(|(id, _)| stages.iter().map(move |s| format!("{id} {s}")))
-        .collect();
-    chart
-        .configure_mesh()
-        .disable_y_mesh()
-        .x_desc("ms since the request started (spans laid back from each stage's end)")
-        .y_labels(rows)
-        .y_label_formatter(&|y| match y {
-            SegmentValue::CenterOf(i) => rows
-                .checked_sub(*i as usize + 1)
-                .and_then(|k| labels.get(k))
-                .cloned()
-                .unwrap_or_default(),
-            _ => String::new(),
-        })
-        .label_style(("sans-serif", 13))
-        .axis_desc_style(("sans-serif", 20))
-        .draw()
-        .map_err(err)?;
-    let phases = [
-        ("receive (offer -> verified)", color(0)),
-        ("compute", color(2)),
-        ("send (engine transfer)", color(3)),
-    ];
-    for (pi, (name, c)) in phases.iter().enumerate() {
-        let mut rects = Vec::new();
-        for (ri, (_, sp)) in spans.iter().enumerate() {
-            for (stage, start, recv, comp, send) in sp {
-                let si = stages.iter().position(|s| s == stage).unwrap_or(0);
-                let row = (rows - 1 - (ri * stages.len() + si)) as i32;
-                let (a, b) = match pi {
-                    0 => (*start, start + recv),
-                    1 => (start + recv, start + recv + comp),
-                    _ => (start + recv + comp, start + recv + comp + send),
-                };
-                // Within the axis (extreme values would overflow the pixel arithmetic).
-                let edge = |v: f64| {
-                    if v.is_nan() {
-                        0.0
-                    } else {
-                        v.clamp(0.0, xmax * 1.05)
-                    }
-                };
-                let (a, b) = (edge(a), edge(b));
-                if b > a {
-                    rects.push(Rectangle::new(
-                        [
-                            (a, SegmentValue::Exact(row)),
-                            (b, SegmentValue::Exact(row + 1)),
-                        ],
-                        c.filled(),
-                    ));
-                }
-            }
-        }
-        let c = *c;
-        chart
-            .draw_series(rects)?
-            .label(*name)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 20, y + 6)], c.filled()));
-    }
-    // Each request's end-to-end mark.
-    for (ri, q) in r.requests.iter().enumerate() {
-        let top = (rows - ri * stages.len()) as i32;
-        let e2e = if q.e2e_ms.is_nan() {
-            0.0
+fn run_timeline_figure(r: &Report, sfx: &str) -> Figure {
+    let n = r.requests.len();
+    let shown = n.min(plot::TIMELINE_MAX_REQUESTS);
+    Figure {
+        name: format!("run-timeline{sfx}"),
+        title: format!(
+            "Run {}: per-request stage timeline, omnirig over {} ({}, concurrency {})",
+            r.scenario,
+            run_transports(r),
+            r.mode,
+            r.concurrency
+        ),
+        subtitle: if shown < n {
+            format!("the first {shown} of {n} requests")
         } else {
-            q.e2e_ms.clamp(0.0, xmax * 1.05)
-        };
-        chart.draw_series(std::iter::once(PathElement::new(
-            vec![
-                (e2e, SegmentValue::Exact(top)),
-                (e2e, SegmentValue::Exact(top - stages.len() as i32)),
-            ],
-            BLACK.stroke_width(2),
-        )))?;
+            format!("{n} requests; each stage's busy span laid back from its end")
+        },
+        body: Body::Timeline(Box::new(r.clone())),
+        keys: plot::timeline_keys(),
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 16))
-        .draw()
-        .map_err(err)?;
-    Ok(())
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::bench::{Row, Samples};
-    use omnirig_harness::{HopResult, RequestResult, StageOutcome, Summary};
-    use std::time::Duration;
-
-    fn samples(us: &[u64], bytes: u64) -> Samples {
-        let mut s = Samples::new(bytes);
-        for &u in us {
-            s.push(Duration::from_micros(u));
-        }
-        s
-    }
-
-    fn write(dir: &Path, name: &str, r: &Results) -> PathBuf {
-        let p = dir.join(name);
-        std::fs::write(&p, serde_json::to_string(r).unwrap()).unwrap();
-        p
-    }
-
-    #[test]
-    fn every_plot_renders_from_every_suite_and_a_run_report() {
-        let dir = std::env::temp_dir().join(format!("omnirig-report-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut transfer = Results {
-            suite: "transfer".into(),
-            transport: "tcp".into(),
-            rows: vec![],
-        };
-        let mut hop = Results {
-            suite: "hop".into(),
-            transport: "tcp".into(),
-            rows: vec![],
-        };
-        let mut pipe = Results {
-            suite: "pipeline".into(),
-            transport: "tcp".into(),
-            rows: vec![],
-        };
-        for (i, size) in [4096u64, 1 << 20, 64 << 20].into_iter().enumerate() {
-            let ours = samples(&[10 + i as u64 * 100, 20, 30], size);
-            let base = samples(&[15, 25 + i as u64 * 200, 35], size);
-            transfer
-                .rows
-                .push(Row::new("write", size, &ours, "raw-polled", &base));
-            let mut r = Row::new("hop-tcp", size, &ours, "pickle", &base);
-            r.hop = Some("kv".into());
-            r.case = Some(format!("case{i}"));
-            r.attach_samples(&ours, &base);
-            hop.rows.push(r);
-        }
-        for c in [1usize, 4, 16] {
-            let mut r = Row::new(
-                "request",
-                1 << 20,
-                &samples(&[1000 * c as u64, 2000], 1 << 20),
-                "pickle",
-                &samples(&[5000 * c as u64, 9000], 1 << 20),
-            );
-            r.concurrency = Some(c);
-            r.throughput_rps = Some((100.0 / c as f64, 20.0 / c as f64));
-            pipe.rows.push(r);
-        }
-        let stage = |name: &str, total: f64| StageOutcome {
-            stage: name.into(),
-            participated: true,
-            compute_ms: 1.0,
-            total_ms: total,
-            ..Default::default()
-        };
-        let report = Report {
-            report_version: 1,
-            scenario: "t".into(),
-            mode: "in_process".into(),
-            transports: Default::default(),
-            concurrency: 1,
-            wall_s: 1.0,
-            summary: Summary::default(),
-            hops: vec![],
-            requests: vec![RequestResult {
-                id: "000-x".into(),
-                label: "x".into(),
-                ok: true,
-                e2e_ms: 9.0,
-                hops: vec![HopResult {
-                    hop: "kv_cache".into(),
-                    transfer_ms: 2.0,
-                    handoff_ms: 3.0,
-                    ..Default::default()
-                }],
-                stages: vec![stage("thinker_prefill", 4.0), stage("thinker_decode", 8.0)],
-                ..Default::default()
-            }],
-            stages: vec![],
-            faults: None,
-        };
-        let mut report = report;
-        report.summarise();
-        let run = dir.join("report.json");
-        report.write(&dir).unwrap();
-        let inputs = vec![
-            write(&dir, "t.json", &transfer),
-            write(&dir, "h.json", &hop),
-            write(&dir, "p.json", &pipe),
-            run,
-        ];
-        // One markdown table per benchmark file, none for the run report.
-        let md = markdown(&inputs).unwrap();
-        assert_eq!(md.matches("### ").count(), 3, "{md}");
-        assert!(md.contains("### pipeline over tcp"), "{md}");
-        assert!(markdown(&inputs[3..]).is_err());
-        let out = dir.join("plots");
-        let files = render(&inputs, &out).unwrap();
-        for name in [
-            "bandwidth",
-            "bandwidth-hops",
-            "latency-cdf-kv",
-            "pipeline-latency",
-            "pipeline-throughput",
-            "run-cdf",
-            "run-timeline",
-        ] {
-            for ext in ["png", "svg"] {
-                let f = out.join(format!("{name}.{ext}"));
-                assert!(files.contains(&f), "{} not written", f.display());
-                assert!(
-                    std::fs::metadata(&f).unwrap().len() > 1000,
-                    "{} is empty",
-                    f.display()
-                );
-            }
-        }
-        let png = std::fs::read(out.join("bandwidth.png")).unwrap();
-        assert_eq!(&png[1..4], b"PNG");
-        let svg = std::fs::read_to_string(out.join("pipeline-latency.svg")).unwrap();
-        assert!(svg.contains("Five-stage request latency"));
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// Issue 10: `omnirig report` spun forever at 100% CPU on a pipeline result without
-    /// `throughput_rps` and on extreme values, and read /dev/zero forever. Every input renders
-    /// (within a bound, checked from another thread) or is refused.
-    #[test]
-    fn odd_inputs_render_or_are_refused_never_spin() {
-        let dir = std::env::temp_dir().join(format!("omnirig-report-odd-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut inputs = Vec::new();
-        for (i, (lat, rps)) in [
-            (1000u64, None),
-            (u64::MAX, Some((1e300, f64::MAX))),
-            (1, Some((0.0, -1.0))),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let mut pipe = Results {
-                suite: "pipeline".into(),
-                transport: "tcp".into(),
-                rows: vec![],
-            };
-            let mut r = Row::new(
-                "request",
-                1 << 20,
-                &samples(&[lat, lat], 1 << 20),
-                "pickle",
-                &samples(&[lat, 1], 1 << 20),
-            );
-            r.concurrency = Some(1 + i);
-            r.throughput_rps = rps;
-            pipe.rows.push(r);
-            inputs.push(write(&dir, &format!("p{i}.json"), &pipe));
-        }
-        let mut report = Report {
-            report_version: 1,
-            scenario: "t".into(),
-            mode: "in_process".into(),
-            transports: Default::default(),
-            concurrency: 1,
-            wall_s: 1.0,
-            summary: Summary::default(),
-            hops: vec![],
-            requests: vec![RequestResult {
-                id: "000-x".into(),
-                e2e_ms: 1e300,
-                hops: vec![HopResult {
-                    hop: "kv_cache".into(),
-                    transfer_ms: f64::MAX,
-                    handoff_ms: 0.0,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            }],
-            stages: vec![],
-            faults: None,
-        };
-        report.summarise();
-        report.write(&dir).unwrap();
-        inputs.push(dir.join("report.json"));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (ins, out) = (inputs.clone(), dir.join("plots"));
-        std::thread::spawn(move || {
-            let _ = tx.send(render(&ins, &out).map(|f| f.len()));
-        });
-        let files = rx
-            .recv_timeout(std::time::Duration::from_secs(120))
-            .expect("render did not finish: it spins")
-            .unwrap();
-        assert!(files > 0);
-        // Not regular files, or too large: refused with the path named, nothing read.
-        let big = dir.join("big.json");
-        std::fs::File::create(&big)
-            .unwrap()
-            .set_len(MAX_INPUT_BYTES + 1)
-            .unwrap();
-        for (p, why) in [
-            (Path::new("/dev/zero"), "not a regular file"),
-            (dir.as_path(), "not a regular file"),
-            (big.as_path(), "more than"),
-        ] {
-            let e = format!("{:#}", load(p).err().expect("refused"));
-            assert!(
-                e.contains(why) && e.contains(&p.display().to_string()),
-                "{e}"
-            );
-        }
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn timeline_spans_end_at_each_stage_total() {
-        let r: Report = serde_json::from_value(serde_json::json!({
-            "report_version": 1, "scenario": "s", "mode": "in_process", "transports": {},
-            "concurrency": 1, "wall_s": 1.0, "summary": {
-                "requests": 1, "ok": 1, "failed": 0, "pools_clean": true, "e2e_p50_ms": 1.0,
-                "e2e_p99_ms": 1.0, "e2e_mean_ms": 1.0, "throughput_rps": 1.0,
-                "moved_bytes": 0, "reused_bytes": 0 },
-            "hops": [], "stages": [],
-            "requests": [{ "id": "r", "label": "r", "ok": true, "error": null, "errors": [],
-                "e2e_ms": 10.0, "hops": [], "stages": [
-                    { "stage": "talker", "participated": true, "error": null,
-                      "received": { "hop": "thinker_to_talker", "tensors": 5, "landed_bytes": 1,
-                        "reused_bytes": 0, "handoff_ms": 2.0, "verify_ms": 0.1 },
-                      "sent": { "hop": "talker_to_code2wav", "tensors": 1, "requests": 1,
-                        "bytes": 1, "transfer_ms": 0.5 },
-                      "compute_ms": 1.5, "total_ms": 9.0 } ] }]
-        }))
-        .unwrap();
-        let spans = stage_spans(&r);
-        let (stage, start, recv, comp, send) = &spans[0].1[0];
-        assert_eq!(stage, "talker");
-        assert_eq!((*start, *recv, *comp, *send), (5.0, 2.0, 1.5, 0.5));
-    }
-}
+mod tests;
