@@ -122,7 +122,8 @@ fn an_unusable_report_path_fails_before_the_run() {
 #[test]
 fn a_failed_plot_fails_the_run() {
     let d = dir("plot");
-    std::fs::write(d.join("plots"), "in the way").unwrap();
+    // A directory where the page must go: the page cannot be renamed into place.
+    std::fs::create_dir_all(d.join("index.html").join("x")).unwrap();
     let f = d.join("s.yaml");
     std::fs::write(&f, "requests: [{ case: text_short }]\n").unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_omnirig"))
@@ -131,7 +132,7 @@ fn a_failed_plot_fails_the_run() {
         .arg(&f)
         .output()
         .unwrap();
-    refused(&o, &["plots"]);
+    refused(&o, &["index.html"]);
     let r: omnirig_harness::Report =
         serde_json::from_slice(&std::fs::read(d.join("report.json")).unwrap()).unwrap();
     assert_eq!(r.requests.len(), 1);
