@@ -13,14 +13,14 @@ use std::time::{Duration, Instant};
 
 use omnirig_fixtures::{
     Digest128, Hop, KvLayout, ModelCard, Packet, PayloadKind, RequestPlan, RequestSpec,
-    ShapeOptions, Stage, TensorEntry, packet::TransferKey, plan_request,
+    ShapeOptions, Stage, plan_request,
 };
 use omnirig_model_stubs::{ComputeTime, Stub};
 use omnirig_transports::{Access, Buffer, Engine, Grant, Request, Usage};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use crate::control::{Link, Msg, NamedDigest, NamedGrant};
+use crate::control::{Link, Msg, NamedDigest};
 use crate::ec::{EcAcquire, EcSlot, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
@@ -28,6 +28,10 @@ use crate::kv::{
     BlockPool, KvGeometry, KvGrant, KvReservation, block_hash, contiguous_runs, plan_kv_writes,
 };
 use crate::pool::{Lease, Pool};
+use crate::protocol::{
+    ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, ProducerState,
+    bad_reply,
+};
 use crate::report::Failure;
 
 /// Registered memory per stage, sized by the runner for the scenario's
@@ -669,7 +673,7 @@ impl StageWorker {
         // consumer that gives up waiting says so, or its producer would wait a hop timeout.
         match link.recv(rid, self.cfg.request_timeout).await {
             Ok(Msg::Offer { .. }) => {}
-            Ok(other) => return Err(refuse(Self::bad_reply(hop, rid, other))),
+            Ok(other) => return Err(refuse(bad_reply(hop.payload_kind, rid, other))),
             Err(e) => {
                 let e = Classified::new(FailureKind::TimedOut, format!("no offer: {e}"));
                 return Err(refuse(hop_err(None, &e)));
@@ -744,7 +748,7 @@ impl StageWorker {
                             rec.tensors += 1;
                         }
                     }
-                    other => return Err(Self::bad_reply(hop, rid, other)),
+                    other => return Err(bad_reply(hop.payload_kind, rid, other)),
                 }
                 rec.verify_ms = ms(tv.elapsed());
                 Box::new(held)
@@ -860,7 +864,7 @@ impl StageWorker {
                             }
                         }
                     }
-                    other => return Err(Self::bad_reply(hop, rid, other)),
+                    other => return Err(bad_reply(hop.payload_kind, rid, other)),
                 }
                 rec.verify_ms = ms(tv.elapsed());
                 let per_block = 2 * u64::from(layout.num_layers) * bb;
@@ -870,125 +874,161 @@ impl StageWorker {
                 Box::new(held)
             }
             InMem::Pool(pool) => {
-                let mut held = LeasesHeld {
-                    engine: engine.clone(),
-                    grants: vec![],
-                    _leases: vec![],
-                };
-                let mut grants = Vec::new();
-                let mut leases = Vec::new();
-                let fault = self.fault(hop, rid);
-                for t in &hop.tensors {
-                    // An exhausted pool: a reservation larger than the pool will ever have.
-                    let want = match fault {
-                        Some(HarnessFault::PoolExhausted) => pool.capacity() + 1,
-                        _ => t.byte_length,
-                    };
-                    let lease = pool
-                        .reserve(want, self.timeout())
-                        .await
-                        .map_err(|e| refuse(hop_err(Some(&t.name), &e)))?;
-                    let short = fault == Some(HarnessFault::GrantOutOfBounds) && t.byte_length > 1;
-                    let g = engine
-                        .grant(
-                            &pool.buffer,
-                            lease.offset,
-                            if short {
-                                t.byte_length - 1
-                            } else {
-                                t.byte_length
-                            },
-                            Access::Write,
-                        )
-                        .map_err(|e| refuse(hop_err(Some(&t.name), &e)))?;
-                    held.grants.push(g.clone());
-                    leases.push(lease.offset);
-                    held._leases.push(lease);
-                    // Out of bounds: the producer is told one byte more than granted.
-                    grants.push(NamedGrant {
-                        tensor: t.name.clone(),
-                        grant: Grant {
-                            len: t.byte_length,
-                            ..g
-                        },
-                    });
-                }
-                link.send(Msg::StageReserve {
-                    request: rid.into(),
-                    grants,
-                })?;
-                let reply = self
-                    .await_reply(link, engine, rid, &mut held.grants, fault)
-                    .await;
-                let tv = Instant::now();
-                match reply? {
-                    Msg::Packet { packet, .. } => {
-                        let p = Packet::from_msgpack(&packet).map_err(|e| {
-                            let e = format!("packet refused: {e}");
-                            hop_err(None, &Classified::new(FailureKind::BadSidecar, e))
-                        })?;
-                        if p.request_id != rid || p.payload_kind != hop.payload_kind {
-                            return Err(hop_err(
-                                None,
-                                &Classified::new(
-                                    FailureKind::BadSidecar,
-                                    format!(
-                                        "packet is for request {} / {}",
-                                        p.request_id, p.payload_kind
-                                    ),
-                                ),
-                            ));
-                        }
-                        for (t, &offset) in hop.tensors.iter().zip(&leases) {
-                            let e = p.entry(&t.name).ok_or_else(|| {
-                                hop_err(
-                                    Some(&t.name),
-                                    &Classified::new(
-                                        FailureKind::BadSidecar,
-                                        "missing from the packet",
-                                    ),
-                                )
-                            })?;
-                            if e.dtype != t.dtype || e.shape != t.shape {
-                                return Err(hop_err(
-                                    Some(&t.name),
-                                    &Classified::new(
-                                        FailureKind::BadSidecar,
-                                        format!(
-                                            "packet says {} {:?}, expected {} {:?}",
-                                            e.dtype, e.shape, t.dtype, t.shape
-                                        ),
-                                    ),
-                                ));
-                            }
-                            let found = cpu(|| {
-                                pool.buffer.view(offset, t.byte_length, |b| {
-                                    self.stub.check_input(plan, &t.name, b)
-                                })
-                            })
-                            .map_err(|e| hop_err(Some(&t.name), &e))?
-                            .map_err(|e| hop_err(Some(&t.name), &e))?;
-                            if found != e.digest {
-                                return Err(hop_err(
-                                    Some(&t.name),
-                                    &Classified::new(
-                                        FailureKind::Corrupt,
-                                        "landed bytes differ from the packet's digest",
-                                    ),
-                                ));
-                            }
-                            rec.tensors += 1;
-                            rec.landed_bytes += t.byte_length;
-                        }
-                    }
-                    other => return Err(Self::bad_reply(hop, rid, other)),
-                }
-                rec.verify_ms = ms(tv.elapsed());
+                let (held, times) = self
+                    .receive_packet(pool, engine, link, plan, hop, rid, t0)
+                    .await?;
+                rec.tensors = hop.tensors.len();
+                rec.landed_bytes = hop.tensors.iter().map(|t| t.byte_length).sum();
+                rec.verify_ms = ms(times.verify());
                 Box::new(held)
             }
         };
         rec.handoff_ms = ms(t0.elapsed());
         Ok((held, rec))
+    }
+
+    /// The stage-packet connector's consumer end: drives a [`PacketConsumer`] from the
+    /// offer (already received at `offered`) to every tensor verified.
+    #[allow(clippy::too_many_arguments)]
+    async fn receive_packet(
+        &self,
+        pool: &Arc<Pool>,
+        engine: &Arc<Engine>,
+        link: &Link,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        offered: Instant,
+    ) -> Result<(LeasesHeld, HandoffTimes)> {
+        let plan_err = |tensor: &str, cause: &dyn Cause| {
+            HarnessError::handoff(hop.payload_kind, rid, Some(tensor), cause)
+        };
+        let mut held = LeasesHeld {
+            engine: engine.clone(),
+            grants: vec![],
+            _leases: vec![],
+        };
+        let fault = self.fault(hop, rid);
+        let mut m = PacketConsumer::new(hop.payload_kind, rid, hop.tensors.clone(), self.timeout());
+        m.handle_msg(
+            offered,
+            Msg::Offer {
+                request: rid.into(),
+            },
+        );
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    ConsumerAction::Reserve => {
+                        match self
+                            .reserve_packet(pool, engine, hop, rid, fault, &mut held)
+                            .await
+                        {
+                            Ok((told, offsets)) => {
+                                m.granted(Instant::now(), held.grants.clone(), told, offsets)
+                            }
+                            Err(e) => m.reserve_failed(vec![], e),
+                        }
+                    }
+                    ConsumerAction::Send(msg) => {
+                        let reserve = matches!(msg, Msg::StageReserve { .. });
+                        if reserve {
+                            link.send(msg)?;
+                        } else {
+                            let _ = link.send(msg);
+                        }
+                        // A revoked grant: revoked at once, before the producer can use it.
+                        if reserve && fault == Some(HarnessFault::GrantRevoked) {
+                            for g in &held.grants {
+                                engine.revoke(g);
+                            }
+                        }
+                    }
+                    ConsumerAction::Revoke(grants) => {
+                        for g in &grants {
+                            engine.revoke(g);
+                        }
+                    }
+                    ConsumerAction::Verify {
+                        index,
+                        tensor,
+                        offset,
+                        len,
+                    } => {
+                        let found = cpu(|| {
+                            pool.buffer
+                                .view(offset, len, |b| self.stub.check_input(plan, &tensor, b))
+                        });
+                        let found = match found {
+                            Ok(Ok(d)) => Ok(d),
+                            Ok(Err(e)) => Err(plan_err(&tensor, &e)),
+                            Err(e) => Err(plan_err(&tensor, &e)),
+                        };
+                        m.verified(Instant::now(), index, found);
+                    }
+                    ConsumerAction::Done => return Ok((held, m.times())),
+                    ConsumerAction::Failed(e) => return Err(e),
+                }
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
+    /// Reserves and grants a destination per tensor of a stage-packet hop (held in
+    /// `held`); returns the grants to tell the producer and where each tensor lands.
+    async fn reserve_packet(
+        &self,
+        pool: &Arc<Pool>,
+        engine: &Engine,
+        hop: &Hop,
+        rid: &str,
+        fault: Option<HarnessFault>,
+        held: &mut LeasesHeld,
+    ) -> Result<(Vec<Grant>, Vec<u64>)> {
+        let mut told = Vec::with_capacity(hop.tensors.len());
+        let mut offsets = Vec::with_capacity(hop.tensors.len());
+        for t in &hop.tensors {
+            let err =
+                |e: &dyn Cause| HarnessError::handoff(hop.payload_kind, rid, Some(&t.name), e);
+            // An exhausted pool: a reservation larger than the pool will ever have.
+            let want = match fault {
+                Some(HarnessFault::PoolExhausted) => pool.capacity() + 1,
+                _ => t.byte_length,
+            };
+            let lease = pool
+                .reserve(want, self.timeout())
+                .await
+                .map_err(|e| err(&e))?;
+            let short = fault == Some(HarnessFault::GrantOutOfBounds) && t.byte_length > 1;
+            let g = engine
+                .grant(
+                    &pool.buffer,
+                    lease.offset,
+                    if short {
+                        t.byte_length - 1
+                    } else {
+                        t.byte_length
+                    },
+                    Access::Write,
+                )
+                .map_err(|e| err(&e))?;
+            held.grants.push(g.clone());
+            offsets.push(lease.offset);
+            held._leases.push(lease);
+            // Out of bounds: the producer is told one byte more than granted.
+            told.push(Grant {
+                len: t.byte_length,
+                ..g
+            });
+        }
+        Ok((told, offsets))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1066,41 +1106,6 @@ impl StageWorker {
         Ok(slots)
     }
 
-    fn bad_reply(hop: &Hop, rid: &str, msg: Msg) -> HarnessError {
-        match msg {
-            Msg::Error {
-                failed,
-                cause,
-                kind,
-                peer,
-                ..
-            } => HarnessError::handoff(
-                hop.payload_kind,
-                rid,
-                failed.first().map(String::as_str),
-                // The producer's kind and peer: what happened, not who passed it on.
-                &Classified {
-                    kind,
-                    peer,
-                    text: format!(
-                        "producer reported ERROR{}: {cause}",
-                        if failed.len() > 1 {
-                            format!(" ({} failed: {})", failed.len(), failed.join(", "))
-                        } else {
-                            String::new()
-                        }
-                    ),
-                },
-            ),
-            other => HarnessError::handoff(
-                hop.payload_kind,
-                rid,
-                None,
-                &format!("unexpected {} message", other.name()),
-            ),
-        }
-    }
-
     // ---------------------------------------------------------------- producer
 
     /// Upstream of this stage failed: answer the downstream reservation with an
@@ -1127,6 +1132,13 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
     ) -> Result<Sent> {
+        if let (
+            OutMem::Staging(pool),
+            PayloadKind::ThinkerToTalker | PayloadKind::TalkerToCode2wav,
+        ) = (&side.mem, hop.payload_kind)
+        {
+            return self.send_packet(side, pool, plan, hop, rid).await;
+        }
         let link = &side.end.link;
         let engine = &side.end.engine;
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
@@ -1228,6 +1240,106 @@ impl StageWorker {
         }
     }
 
+    /// The stage-packet connector's producer end: drives a [`PacketProducer`] from the
+    /// offer to the packet (or the ERROR naming what failed).
+    async fn send_packet(
+        &self,
+        side: &Side<OutMem>,
+        pool: &Arc<Pool>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+    ) -> Result<Sent> {
+        let link = &side.end.link;
+        let engine = &side.end.engine;
+        let mut m = PacketProducer::new(
+            Instant::now(),
+            hop.payload_kind,
+            rid,
+            hop.tensors.clone(),
+            self.timeout(),
+        );
+        if let Some(
+            f @ (HarnessFault::TruncatedSidecar
+            | HarnessFault::UnknownVersionSidecar
+            | HarnessFault::InconsistentSidecar),
+        ) = self.fault(hop, rid)
+        {
+            m = m.with_sidecar(move |p| faulty_sidecar(f, p));
+        }
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        let mut writes: Vec<(usize, Grant)> = Vec::new();
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    // The offer must reach the consumer; an ERROR is best effort (the
+                    // handoff already failed and says why).
+                    ProducerAction::Send(msg @ Msg::Error { .. }) => {
+                        let _ = link.send(msg);
+                    }
+                    ProducerAction::Send(msg) => link.send(msg)?,
+                    ProducerAction::Write { index, grant, .. } => writes.push((index, grant)),
+                    ProducerAction::Done => return Ok(sent),
+                    ProducerAction::Failed(e) => return Err(e),
+                }
+            }
+            if !writes.is_empty() {
+                // Stage every tensor, then write them all in one engine batch.
+                let mut requests = Vec::with_capacity(writes.len());
+                let mut indices = Vec::with_capacity(writes.len());
+                let mut leases = Vec::with_capacity(writes.len());
+                for (index, grant) in writes.drain(..) {
+                    let name = &hop.tensors[index].name;
+                    match self.stage_tensor(pool, plan, hop, rid, name, &grant).await {
+                        Ok((lease, len, digest)) => {
+                            m.staged(index, digest);
+                            requests.push(
+                                Request::write(&pool.buffer, lease.offset, &grant, 0, len)
+                                    .tagged(fault_tag(rid, name)),
+                            );
+                            indices.push(index);
+                            sent.bytes += len;
+                            leases.push(lease);
+                        }
+                        Err((_, e)) => {
+                            m.stage_failed(index, e);
+                            break;
+                        }
+                    }
+                }
+                if m.state() == ProducerState::Writing {
+                    sent.requests = requests.len();
+                    sent.tensors = indices.len();
+                    let t = Instant::now();
+                    let r = engine.transfer(requests, Some(self.timeout())).await;
+                    sent.transfer_ms = ms(t.elapsed());
+                    match r {
+                        Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                        Err(e) => {
+                            let index = e.task().and_then(|k| indices.get(k).copied());
+                            let name = index.map(|i| hop.tensors[i].name.as_str());
+                            let err = HarnessError::handoff(hop.payload_kind, rid, name, &e);
+                            m.write_failed(index, err);
+                        }
+                    }
+                }
+                drop(leases);
+                continue;
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
     /// Produces and writes what the reservation asks for; returns the reply to
     /// send, or the failed tensors and the error.
     #[allow(clippy::too_many_arguments)]
@@ -1245,15 +1357,12 @@ impl StageWorker {
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
         };
-        let fail = |tensor: &str, cause: &dyn Cause| {
-            (vec![tensor.to_string()], hop_err(Some(tensor), cause))
-        };
         let mut requests = Vec::new();
         let mut names: Vec<String> = Vec::new();
         let mut leases = Vec::new();
-        // (tensor, digest, grant) of each staged tensor.
-        let mut staged: Vec<(String, Digest128, Grant)> = Vec::new();
-        let reply = match (&side.mem, msg) {
+        // (tensor, digest) of each staged tensor.
+        let mut staged: Vec<(String, Digest128)> = Vec::new();
+        match (&side.mem, msg) {
             (OutMem::Staging(pool), Msg::EcReserve { slots, .. }) => {
                 for s in slots {
                     let Some(g) = s.grant else { continue };
@@ -1265,31 +1374,10 @@ impl StageWorker {
                             .tagged(fault_tag(rid, &s.tensor)),
                     );
                     names.push(s.tensor.clone());
-                    staged.push((s.tensor, d, g));
+                    staged.push((s.tensor, d));
                     sent.bytes += len;
                     leases.push(lease);
                 }
-                None
-            }
-            (OutMem::Staging(pool), Msg::StageReserve { grants, .. }) => {
-                for t in &hop.tensors {
-                    let g = grants
-                        .iter()
-                        .find(|g| g.tensor == t.name)
-                        .ok_or_else(|| fail(&t.name, &"no grant for it in the reservation"))?;
-                    let (lease, len, d) = self
-                        .stage_tensor(pool, plan, hop, rid, &t.name, &g.grant)
-                        .await?;
-                    requests.push(
-                        Request::write(&pool.buffer, lease.offset, &g.grant, 0, len)
-                            .tagged(fault_tag(rid, &t.name)),
-                    );
-                    names.push(t.name.clone());
-                    staged.push((t.name.clone(), d, g.grant.clone()));
-                    sent.bytes += len;
-                    leases.push(lease);
-                }
-                Some(())
             }
             (OutMem::Kv(kv), Msg::KvReserve { reservation, .. }) => {
                 let held = kv_held.expect("prefill holds its blocks");
@@ -1321,7 +1409,6 @@ impl StageWorker {
                     sent.bytes += len;
                 }
                 sent.tensors = hop.tensors.len();
-                None
             }
             (_, other) => {
                 return Err((
@@ -1349,48 +1436,15 @@ impl StageWorker {
         }
         sent.transfer_ms = ms(t.elapsed());
         drop(leases);
-        Ok(match reply {
-            // Stage connector: the sidecar goes out only now, after every tensor landed.
-            Some(()) => {
-                let entries = staged
-                    .into_iter()
-                    .map(|(name, digest, g)| {
-                        let spec = hop.tensor(&name).expect("staged from the hop");
-                        TensorEntry {
-                            name,
-                            dtype: spec.dtype,
-                            shape: spec.shape.clone(),
-                            byte_length: spec.byte_length,
-                            digest,
-                            transfer_key: Some(TransferKey::Text(format!(
-                                "{}/{}@{}",
-                                g.segment, g.buffer, g.offset
-                            ))),
-                        }
-                    })
-                    .collect();
-                let packet = Packet::new(rid, hop.payload_kind, 0, true, entries);
-                let packet = match self.fault(hop, rid) {
-                    Some(f) => faulty_sidecar(f, packet),
-                    None => packet
-                        .to_msgpack()
-                        .map_err(|e| (vec![], hop_err(None, &e)))?,
-                };
-                Msg::Packet {
-                    request: rid.into(),
-                    packet,
-                }
-            }
-            None => Msg::Finish {
-                request: rid.into(),
-                digests: staged
-                    .into_iter()
-                    .map(|(tensor, d, _)| NamedDigest {
-                        tensor,
-                        digest: d.to_hex(),
-                    })
-                    .collect(),
-            },
+        Ok(Msg::Finish {
+            request: rid.into(),
+            digests: staged
+                .into_iter()
+                .map(|(tensor, d)| NamedDigest {
+                    tensor,
+                    digest: d.to_hex(),
+                })
+                .collect(),
         })
     }
 
