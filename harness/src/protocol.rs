@@ -72,6 +72,8 @@ pub struct HandoffTimes {
     pub granted: Option<Instant>,
     /// The producer's packet (or error) arrived.
     pub replied: Option<Instant>,
+    /// The grants were revoked (set by the driver, which carries out the revocation).
+    pub fenced: Option<Instant>,
     /// Every tensor verified.
     pub verified: Option<Instant>,
 }
@@ -91,13 +93,27 @@ impl HandoffTimes {
     pub fn transfer(&self) -> Duration {
         Self::span(self.granted, self.replied)
     }
-    /// Packet arrived -> every tensor verified.
+    /// Grants revoked (or, before that is known, packet arrived) -> every tensor verified.
     pub fn verify(&self) -> Duration {
-        Self::span(self.replied, self.verified)
+        Self::span(self.fenced.or(self.replied), self.verified)
     }
     /// Offer -> every tensor verified.
     pub fn handoff(&self) -> Duration {
         Self::span(self.offered, self.verified)
+    }
+
+    /// The handoff split into consecutive phases, ending at `end` (the consumer's
+    /// bookkeeping after verification is the ack phase).
+    pub fn phases(&self, end: Instant) -> crate::stage::HandoffPhases {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let fenced = self.fenced.or(self.replied);
+        crate::stage::HandoffPhases {
+            reserve: ms(Self::span(self.offered, self.granted)),
+            transfer: ms(Self::span(self.granted, self.replied)),
+            fence: ms(Self::span(self.replied, fenced)),
+            verify: ms(Self::span(fenced, self.verified)),
+            ack: ms(Self::span(self.verified, Some(end))),
+        }
     }
 }
 
@@ -117,6 +133,8 @@ pub enum ConsumerState {
 }
 
 /// What the consumer asks its driver to do.
+// Actions are queued and taken one at a time; most carry a message.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum ConsumerAction {
     /// Reserve and grant a destination per tensor (in the hop's order), then call
@@ -182,6 +200,12 @@ impl PacketConsumer {
     }
     pub fn times(&self) -> HandoffTimes {
         self.times
+    }
+    /// The driver revoked the grants the packet's arrival asked it to (the fence).
+    pub fn fenced(&mut self, now: Instant) {
+        if self.times.replied.is_some() && self.times.fenced.is_none() {
+            self.times.fenced = Some(now);
+        }
     }
     /// Messages ignored because they came after the handoff had ended.
     pub fn stale(&self) -> usize {
@@ -445,6 +469,8 @@ pub enum ProducerState {
 }
 
 /// What the producer asks its driver to do.
+// Actions are queued and taken one at a time; most carry a message.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum ProducerAction {
     Send(Msg),

@@ -95,6 +95,9 @@ pub struct StageOutcome {
     pub received: Option<Received>,
     pub sent: Option<Sent>,
     pub compute_ms: f64,
+    /// When compute started, ms after this stage started the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_start_ms: Option<f64>,
     pub total_ms: f64,
 }
 
@@ -111,6 +114,50 @@ pub struct Received {
     /// Offer received -> every tensor verified.
     pub handoff_ms: f64,
     pub verify_ms: f64,
+    /// When the offer arrived, ms after this stage started the request (stages start a
+    /// request together, so this places the handoff on the request's timeline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_ms: Option<f64>,
+    /// `handoff_ms` split into consecutive phases.
+    #[serde(default)]
+    pub phases_ms: HandoffPhases,
+}
+
+/// Where a handoff's time goes, as its consumer saw it, in ms; the phases are consecutive
+/// and add up to the handoff.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct HandoffPhases {
+    /// Offer -> reservation sent: pools reserved, destinations granted.
+    pub reserve: f64,
+    /// Reservation sent -> the producer's FINISH / packet arrived: the producer's staging
+    /// (`Sent::stage_ms`), its engine transfer (`Sent::transfer_ms`) and two control messages.
+    pub transfer: f64,
+    /// Reply -> every grant revoked (nothing lands after this).
+    pub fence: f64,
+    /// Fence -> every tensor's landed bytes checked against its digest.
+    pub verify: f64,
+    /// Verified -> handoff done: the consumer's bookkeeping (cache commits, entries ready).
+    pub ack: f64,
+}
+
+impl HandoffPhases {
+    pub fn total(&self) -> f64 {
+        self.reserve + self.transfer + self.fence + self.verify + self.ack
+    }
+
+    /// Each phase's nearest-rank percentile over `v`.
+    pub fn percentile(v: &[HandoffPhases], p: f64) -> HandoffPhases {
+        let of = |f: fn(&HandoffPhases) -> f64| {
+            crate::report::percentile(&v.iter().map(f).collect::<Vec<_>>(), p)
+        };
+        HandoffPhases {
+            reserve: of(|x| x.reserve),
+            transfer: of(|x| x.transfer),
+            fence: of(|x| x.fence),
+            verify: of(|x| x.verify),
+            ack: of(|x| x.ack),
+        }
+    }
 }
 
 /// The producer's view of a hop.
@@ -123,6 +170,13 @@ pub struct Sent {
     pub bytes: u64,
     /// The engine transfer alone.
     pub transfer_ms: f64,
+    /// When the engine transfer started, ms after this stage started the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer_start_ms: Option<f64>,
+    /// Producing and digesting staged outputs before the transfer (a real stage's outputs
+    /// already sit in its memory; the stub makes them here).
+    #[serde(default)]
+    pub stage_ms: f64,
 }
 
 /// Pool and engine usage of a stage; all zero after a clean run.
@@ -556,7 +610,7 @@ impl StageWorker {
         started: Instant,
     ) -> Result<()> {
         let held = match (&self.inbound, self.stub.inbound(plan)) {
-            (Some(side), Some(hop)) => match self.receive(side, plan, hop, rid).await {
+            (Some(side), Some(hop)) => match self.receive(side, plan, hop, rid, started).await {
                 Ok((held, rec)) => {
                     out.received = Some(rec);
                     Some(held)
@@ -599,12 +653,13 @@ impl StageWorker {
             return Err(e);
         }
         let t = Instant::now();
+        out.compute_start_ms = Some(ms(t.duration_since(started)));
         if !c.is_zero() {
             tokio::time::sleep(c).await;
         }
         out.compute_ms = ms(t.elapsed());
         if let (Some(side), Some(hop)) = (&self.outbound, self.stub.outbound(plan)) {
-            out.sent = Some(self.send(side, plan, hop, rid).await?);
+            out.sent = Some(self.send(side, plan, hop, rid, started).await?);
         }
         drop(held);
         Ok(())
@@ -620,17 +675,18 @@ impl StageWorker {
         rid: &str,
         grants: &mut Vec<Grant>,
         fault: Option<HarnessFault>,
-    ) -> Result<Msg> {
+    ) -> (Result<Msg>, Instant) {
         if fault == Some(HarnessFault::GrantRevoked) {
             for g in grants.iter() {
                 engine.revoke(g);
             }
         }
         let reply = link.recv(rid, self.timeout()).await;
+        let replied = Instant::now();
         for g in grants.drain(..) {
             engine.revoke(&g);
         }
-        reply
+        (reply, replied)
     }
 
     /// The connector fault scripted for this hop and request, if any.
@@ -653,6 +709,7 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
+        started: Instant,
     ) -> Result<(Held, Received)> {
         let link = &side.end.link;
         let engine = &side.end.engine;
@@ -682,6 +739,11 @@ impl StageWorker {
         let t0 = Instant::now();
         let mut rec = Received {
             hop: hop.payload_kind.as_str().into(),
+            start_ms: Some(ms(t0.duration_since(started))),
+            ..Default::default()
+        };
+        let mut times = HandoffTimes {
+            offered: Some(t0),
             ..Default::default()
         };
         let held: Held = match &side.mem {
@@ -702,9 +764,12 @@ impl StageWorker {
                     request: rid.into(),
                     slots,
                 })?;
+                times.granted = Some(Instant::now());
                 let reply = link.recv(rid, self.timeout()).await;
+                times.replied = Some(Instant::now());
                 held.revoke();
                 let tv = Instant::now();
+                times.fenced = Some(tv);
                 match reply? {
                     Msg::Finish { digests, .. } => {
                         // Entries leave `reserved` only once verified: on any error, the
@@ -750,6 +815,7 @@ impl StageWorker {
                     }
                     other => return Err(bad_reply(hop.payload_kind, rid, other)),
                 }
+                times.verified = Some(Instant::now());
                 rec.verify_ms = ms(tv.elapsed());
                 Box::new(held)
             }
@@ -823,10 +889,13 @@ impl StageWorker {
                         grants,
                     },
                 })?;
-                let reply = self
+                times.granted = Some(Instant::now());
+                let (reply, replied) = self
                     .await_reply(link, engine, rid, &mut held.grants, fault)
                     .await;
+                times.replied = Some(replied);
                 let tv = Instant::now();
+                times.fenced = Some(tv);
                 match reply? {
                     Msg::Finish { .. } => {
                         // Every block the stage will use, reused ones included.
@@ -866,6 +935,7 @@ impl StageWorker {
                     }
                     other => return Err(bad_reply(hop.payload_kind, rid, other)),
                 }
+                times.verified = Some(Instant::now());
                 rec.verify_ms = ms(tv.elapsed());
                 let per_block = 2 * u64::from(layout.num_layers) * bb;
                 rec.tensors = hop.tensors.len();
@@ -874,16 +944,19 @@ impl StageWorker {
                 Box::new(held)
             }
             InMem::Pool(pool) => {
-                let (held, times) = self
+                let (held, t) = self
                     .receive_packet(pool, engine, link, plan, hop, rid, t0)
                     .await?;
+                times = t;
                 rec.tensors = hop.tensors.len();
                 rec.landed_bytes = hop.tensors.iter().map(|t| t.byte_length).sum();
                 rec.verify_ms = ms(times.verify());
                 Box::new(held)
             }
         };
-        rec.handoff_ms = ms(t0.elapsed());
+        let end = Instant::now();
+        rec.handoff_ms = ms(end.duration_since(t0));
+        rec.phases_ms = times.phases(end);
         Ok((held, rec))
     }
 
@@ -948,6 +1021,7 @@ impl StageWorker {
                         for g in &grants {
                             engine.revoke(g);
                         }
+                        m.fenced(Instant::now());
                     }
                     ConsumerAction::Verify {
                         index,
@@ -1131,13 +1205,14 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
+        started: Instant,
     ) -> Result<Sent> {
         if let (
             OutMem::Staging(pool),
             PayloadKind::ThinkerToTalker | PayloadKind::TalkerToCode2wav,
         ) = (&side.mem, hop.payload_kind)
         {
-            return self.send_packet(side, pool, plan, hop, rid).await;
+            return self.send_packet(side, pool, plan, hop, rid, started).await;
         }
         let link = &side.end.link;
         let engine = &side.end.engine;
@@ -1220,7 +1295,16 @@ impl StageWorker {
             ..Default::default()
         };
         let result = self
-            .write(side, plan, hop, rid, msg, kv_blocks.as_ref(), &mut sent)
+            .write(
+                side,
+                plan,
+                hop,
+                rid,
+                msg,
+                kv_blocks.as_ref(),
+                &mut sent,
+                started,
+            )
             .await;
         match result {
             Ok(reply) => {
@@ -1249,6 +1333,7 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
+        started: Instant,
     ) -> Result<Sent> {
         let link = &side.end.link;
         let engine = &side.end.engine;
@@ -1291,6 +1376,7 @@ impl StageWorker {
                 let mut requests = Vec::with_capacity(writes.len());
                 let mut indices = Vec::with_capacity(writes.len());
                 let mut leases = Vec::with_capacity(writes.len());
+                let ts = Instant::now();
                 for (index, grant) in writes.drain(..) {
                     let name = &hop.tensors[index].name;
                     match self.stage_tensor(pool, plan, hop, rid, name, &grant).await {
@@ -1310,10 +1396,12 @@ impl StageWorker {
                         }
                     }
                 }
+                sent.stage_ms = ms(ts.elapsed());
                 if m.state() == ProducerState::Writing {
                     sent.requests = requests.len();
                     sent.tensors = indices.len();
                     let t = Instant::now();
+                    sent.transfer_start_ms = Some(ms(t.duration_since(started)));
                     let r = engine.transfer(requests, Some(self.timeout())).await;
                     sent.transfer_ms = ms(t.elapsed());
                     match r {
@@ -1352,6 +1440,7 @@ impl StageWorker {
         msg: Msg,
         kv_held: Option<&KvHeld>,
         sent: &mut Sent,
+        started: Instant,
     ) -> std::result::Result<Msg, (Vec<String>, HarnessError)> {
         let engine = &side.end.engine;
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
@@ -1362,6 +1451,7 @@ impl StageWorker {
         let mut leases = Vec::new();
         // (tensor, digest) of each staged tensor.
         let mut staged: Vec<(String, Digest128)> = Vec::new();
+        let ts = Instant::now();
         match (&side.mem, msg) {
             (OutMem::Staging(pool), Msg::EcReserve { slots, .. }) => {
                 for s in slots {
@@ -1417,11 +1507,13 @@ impl StageWorker {
                 ));
             }
         };
+        sent.stage_ms = ms(ts.elapsed());
         sent.requests = requests.len();
         if sent.tensors == 0 {
             sent.tensors = staged.len();
         }
         let t = Instant::now();
+        sent.transfer_start_ms = Some(ms(t.duration_since(started)));
         if !requests.is_empty() {
             engine
                 .transfer(requests, Some(self.timeout()))

@@ -422,7 +422,12 @@ fn every_suite_and_a_run_report_make_one_well_formed_page() {
     }
     // Verdicts and tables per run; summary.md has the same tables.
     assert!(html.contains("thinker-talker &gt;= 5x pickle"));
-    assert_eq!(html.matches("<table>").count(), 2 + 3 + 1 + 2);
+    // The run: hops, where each handoff's time goes, failed requests.
+    assert!(
+        html.contains(">reserve + grant</th>"),
+        "no handoff phase table"
+    );
+    assert_eq!(html.matches("<table>").count(), 2 + 3 + 1 + 3);
     let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
     assert_eq!(
         md.matches("\n|---").count(),
