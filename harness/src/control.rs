@@ -76,6 +76,9 @@ pub struct NamedDigest {
     pub digest: String,
 }
 
+// A message is built, sent and dropped; boxing the large variants (a stage's outcome) would
+// cost an allocation per message for no saving.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
     // ---- hop: producer -> consumer ----

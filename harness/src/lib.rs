@@ -14,6 +14,8 @@
 //!   reserve + grant, the producer writes, then FINISH / packet v1 / ERROR.
 //! - [`ec`], [`kv`]: I/O-free connector state (encoder cache by mm_hash; paged
 //!   KV blocks with a prefix cache, block lists, run coalescing).
+//! - [`protocol`]: the stage-packet connector as I/O-free state machines (events in,
+//!   actions out, the clock passed in), driven by [`stage`].
 //! - [`control`]: control messages, in-process or framed msgpack over TCP,
 //!   routed per request.
 //! - [`pool`]: registered pools carved into disjoint ranges.
@@ -28,6 +30,7 @@ pub mod inline;
 pub mod kv;
 pub mod pool;
 pub mod process;
+pub mod protocol;
 pub mod report;
 pub mod runner;
 pub mod scenario;

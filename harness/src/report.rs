@@ -10,13 +10,16 @@
 //!   `throughput_rps` (requests / wall time), `moved_bytes`, `reused_bytes`.
 //! - `hops[]`: per payload kind: `hop`, `transport`, `requests`, `moved_bytes`,
 //!   `reused_bytes`, `transfer_ms_p50`, `transfer_ms_p99`, `gbps` (moved bytes /
-//!   summed transfer time, 1 GB/s = 1e9 B/s), `handoff_ms_p50`, `handoff_ms_p99`.
+//!   summed transfer time, 1 GB/s = 1e9 B/s), `handoff_ms_p50`, `handoff_ms_p99`,
+//!   `phases_ms_p50`, `phases_ms_p99` (each an object keyed `reserve`, `transfer`, `fence`,
+//!   `verify`, `ack`: the per-phase percentile, see [`HandoffPhases`]).
 //! - `requests[]`: `id`, `label`, `ok`, `error` (the first failing stage's
 //!   error in pipeline order, naming hop, request, tensor and cause), `errors`
 //!   (every failing stage's error, `stage: error`), `e2e_ms`,
 //!   `hops[]` (`hop`, `bytes` planned, `moved_bytes`, `reused_bytes`,
 //!   `tensors` verified, `requests` engine requests, `transfer_ms`, `gbps`,
-//!   `handoff_ms`, `verified`), `stages[]` (each stage's [`StageOutcome`]).
+//!   `handoff_ms`, `phases_ms`, `verified`), `stages[]` (each stage's [`StageOutcome`], with
+//!   start offsets: `compute_start_ms`, `received.start_ms`, `sent.transfer_start_ms`).
 //! - `stages[]`: each stage's [`StageUsage`] after the run.
 
 use std::collections::BTreeMap;
@@ -30,7 +33,7 @@ use omnirig_transports::{ErrorKind, FaultInjector};
 
 use crate::error::{Cause, FailureKind, HarnessError, Result};
 use crate::faults::{CompiledFaults, FaultTarget, fault_tag};
-use crate::stage::{StageOutcome, StageUsage};
+use crate::stage::{HandoffPhases, StageOutcome, StageUsage};
 
 pub const REPORT_VERSION: u32 = 1;
 
@@ -213,6 +216,11 @@ pub struct HopSummary {
     pub gbps: f64,
     pub handoff_ms_p50: f64,
     pub handoff_ms_p99: f64,
+    /// Each phase's own percentile (so the p99s need not add up to `handoff_ms_p99`).
+    #[serde(default)]
+    pub phases_ms_p50: HandoffPhases,
+    #[serde(default)]
+    pub phases_ms_p99: HandoffPhases,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -242,6 +250,9 @@ pub struct HopResult {
     pub transfer_ms: f64,
     pub gbps: f64,
     pub handoff_ms: f64,
+    /// `handoff_ms` split into phases, as the consumer saw them.
+    #[serde(default)]
+    pub phases_ms: HandoffPhases,
     /// The consumer verified every tensor of the hop (digest, bytes where cheap).
     pub verified: bool,
 }
@@ -275,8 +286,8 @@ impl Report {
     pub fn summarise(&mut self) {
         let e2e: Vec<f64> = self.requests.iter().map(|r| r.e2e_ms).collect();
         let ok = self.requests.iter().filter(|r| r.ok).count();
-        // transfer ms, handoff ms, moved, reused, count
-        type Acc = (Vec<f64>, Vec<f64>, u64, u64, usize);
+        // transfer ms, handoff ms, moved, reused, count, phases
+        type Acc = (Vec<f64>, Vec<f64>, u64, u64, usize, Vec<HandoffPhases>);
         let mut hops: BTreeMap<String, Acc> = BTreeMap::new();
         for r in &self.requests {
             for h in &r.hops {
@@ -286,6 +297,7 @@ impl Report {
                 e.2 += h.moved_bytes;
                 e.3 += h.reused_bytes;
                 e.4 += 1;
+                e.5.push(h.phases_ms);
             }
         }
         // Pipeline order, not alphabetical.
@@ -293,7 +305,7 @@ impl Report {
         self.hops = order
             .iter()
             .filter_map(|k| hops.get(*k).map(|v| (k, v)))
-            .map(|(k, (t, h, moved, reused, n))| HopSummary {
+            .map(|(k, (t, h, moved, reused, n, ph))| HopSummary {
                 hop: k.to_string(),
                 transport: self.transports.get(*k).cloned().unwrap_or_default(),
                 requests: *n,
@@ -304,6 +316,8 @@ impl Report {
                 gbps: gbps(*moved, t.iter().sum()),
                 handoff_ms_p50: percentile(h, 50.0),
                 handoff_ms_p99: percentile(h, 99.0),
+                phases_ms_p50: HandoffPhases::percentile(ph, 50.0),
+                phases_ms_p99: HandoffPhases::percentile(ph, 99.0),
             })
             .collect();
         self.summary = Summary {
@@ -369,6 +383,19 @@ impl Report {
                 h.reused_bytes as f64 / (1 << 20) as f64,
                 h.gbps,
                 h.transfer_ms_p50
+            );
+            let p = &h.phases_ms_p50;
+            let _ = writeln!(
+                out,
+                "  {:<19} handoff p50 {:.2} ms: reserve {:.2}, reply wait {:.2} (engine transfer {:.2}), fence {:.2}, verify {:.2}, ack {:.2}",
+                "",
+                h.handoff_ms_p50,
+                p.reserve,
+                p.transfer,
+                h.transfer_ms_p50,
+                p.fence,
+                p.verify,
+                p.ack
             );
         }
         for r in self.requests.iter().filter(|r| !r.ok) {

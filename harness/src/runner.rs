@@ -333,6 +333,7 @@ pub fn request_result(r: &PlannedRequest, stages: Vec<StageOutcome>, e2e_ms: f64
                 transfer_ms: sent.transfer_ms,
                 gbps: gbps(sent.bytes, sent.transfer_ms),
                 handoff_ms: rec.as_ref().map_or(0.0, |r| r.handoff_ms),
+                phases_ms: rec.as_ref().map_or_else(Default::default, |r| r.phases_ms),
                 verified: rec.is_some(),
             }
         })

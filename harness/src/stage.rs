@@ -13,14 +13,14 @@ use std::time::{Duration, Instant};
 
 use omnirig_fixtures::{
     Digest128, Hop, KvLayout, ModelCard, Packet, PayloadKind, RequestPlan, RequestSpec,
-    ShapeOptions, Stage, TensorEntry, packet::TransferKey, plan_request,
+    ShapeOptions, Stage, plan_request,
 };
 use omnirig_model_stubs::{ComputeTime, Stub};
 use omnirig_transports::{Access, Buffer, Engine, Grant, Request, Usage};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use crate::control::{Link, Msg, NamedDigest, NamedGrant};
+use crate::control::{Link, Msg, NamedDigest};
 use crate::ec::{EcAcquire, EcSlot, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
@@ -28,6 +28,10 @@ use crate::kv::{
     BlockPool, KvGeometry, KvGrant, KvReservation, block_hash, contiguous_runs, plan_kv_writes,
 };
 use crate::pool::{Lease, Pool};
+use crate::protocol::{
+    ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, ProducerState,
+    bad_reply,
+};
 use crate::report::Failure;
 
 /// Registered memory per stage, sized by the runner for the scenario's
@@ -91,6 +95,9 @@ pub struct StageOutcome {
     pub received: Option<Received>,
     pub sent: Option<Sent>,
     pub compute_ms: f64,
+    /// When compute started, ms after this stage started the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_start_ms: Option<f64>,
     pub total_ms: f64,
 }
 
@@ -107,6 +114,50 @@ pub struct Received {
     /// Offer received -> every tensor verified.
     pub handoff_ms: f64,
     pub verify_ms: f64,
+    /// When the offer arrived, ms after this stage started the request (stages start a
+    /// request together, so this places the handoff on the request's timeline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_ms: Option<f64>,
+    /// `handoff_ms` split into consecutive phases.
+    #[serde(default)]
+    pub phases_ms: HandoffPhases,
+}
+
+/// Where a handoff's time goes, as its consumer saw it, in ms; the phases are consecutive
+/// and add up to the handoff.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct HandoffPhases {
+    /// Offer -> reservation sent: pools reserved, destinations granted.
+    pub reserve: f64,
+    /// Reservation sent -> the producer's FINISH / packet arrived: the producer's staging
+    /// (`Sent::stage_ms`), its engine transfer (`Sent::transfer_ms`) and two control messages.
+    pub transfer: f64,
+    /// Reply -> every grant revoked (nothing lands after this).
+    pub fence: f64,
+    /// Fence -> every tensor's landed bytes checked against its digest.
+    pub verify: f64,
+    /// Verified -> handoff done: the consumer's bookkeeping (cache commits, entries ready).
+    pub ack: f64,
+}
+
+impl HandoffPhases {
+    pub fn total(&self) -> f64 {
+        self.reserve + self.transfer + self.fence + self.verify + self.ack
+    }
+
+    /// Each phase's nearest-rank percentile over `v`.
+    pub fn percentile(v: &[HandoffPhases], p: f64) -> HandoffPhases {
+        let of = |f: fn(&HandoffPhases) -> f64| {
+            crate::report::percentile(&v.iter().map(f).collect::<Vec<_>>(), p)
+        };
+        HandoffPhases {
+            reserve: of(|x| x.reserve),
+            transfer: of(|x| x.transfer),
+            fence: of(|x| x.fence),
+            verify: of(|x| x.verify),
+            ack: of(|x| x.ack),
+        }
+    }
 }
 
 /// The producer's view of a hop.
@@ -119,6 +170,13 @@ pub struct Sent {
     pub bytes: u64,
     /// The engine transfer alone.
     pub transfer_ms: f64,
+    /// When the engine transfer started, ms after this stage started the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer_start_ms: Option<f64>,
+    /// Producing and digesting staged outputs before the transfer (a real stage's outputs
+    /// already sit in its memory; the stub makes them here).
+    #[serde(default)]
+    pub stage_ms: f64,
 }
 
 /// Pool and engine usage of a stage; all zero after a clean run.
@@ -552,7 +610,7 @@ impl StageWorker {
         started: Instant,
     ) -> Result<()> {
         let held = match (&self.inbound, self.stub.inbound(plan)) {
-            (Some(side), Some(hop)) => match self.receive(side, plan, hop, rid).await {
+            (Some(side), Some(hop)) => match self.receive(side, plan, hop, rid, started).await {
                 Ok((held, rec)) => {
                     out.received = Some(rec);
                     Some(held)
@@ -595,12 +653,13 @@ impl StageWorker {
             return Err(e);
         }
         let t = Instant::now();
+        out.compute_start_ms = Some(ms(t.duration_since(started)));
         if !c.is_zero() {
             tokio::time::sleep(c).await;
         }
         out.compute_ms = ms(t.elapsed());
         if let (Some(side), Some(hop)) = (&self.outbound, self.stub.outbound(plan)) {
-            out.sent = Some(self.send(side, plan, hop, rid).await?);
+            out.sent = Some(self.send(side, plan, hop, rid, started).await?);
         }
         drop(held);
         Ok(())
@@ -616,17 +675,18 @@ impl StageWorker {
         rid: &str,
         grants: &mut Vec<Grant>,
         fault: Option<HarnessFault>,
-    ) -> Result<Msg> {
+    ) -> (Result<Msg>, Instant) {
         if fault == Some(HarnessFault::GrantRevoked) {
             for g in grants.iter() {
                 engine.revoke(g);
             }
         }
         let reply = link.recv(rid, self.timeout()).await;
+        let replied = Instant::now();
         for g in grants.drain(..) {
             engine.revoke(&g);
         }
-        reply
+        (reply, replied)
     }
 
     /// The connector fault scripted for this hop and request, if any.
@@ -649,6 +709,7 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
+        started: Instant,
     ) -> Result<(Held, Received)> {
         let link = &side.end.link;
         let engine = &side.end.engine;
@@ -669,7 +730,7 @@ impl StageWorker {
         // consumer that gives up waiting says so, or its producer would wait a hop timeout.
         match link.recv(rid, self.cfg.request_timeout).await {
             Ok(Msg::Offer { .. }) => {}
-            Ok(other) => return Err(refuse(Self::bad_reply(hop, rid, other))),
+            Ok(other) => return Err(refuse(bad_reply(hop.payload_kind, rid, other))),
             Err(e) => {
                 let e = Classified::new(FailureKind::TimedOut, format!("no offer: {e}"));
                 return Err(refuse(hop_err(None, &e)));
@@ -678,6 +739,11 @@ impl StageWorker {
         let t0 = Instant::now();
         let mut rec = Received {
             hop: hop.payload_kind.as_str().into(),
+            start_ms: Some(ms(t0.duration_since(started))),
+            ..Default::default()
+        };
+        let mut times = HandoffTimes {
+            offered: Some(t0),
             ..Default::default()
         };
         let held: Held = match &side.mem {
@@ -698,9 +764,12 @@ impl StageWorker {
                     request: rid.into(),
                     slots,
                 })?;
+                times.granted = Some(Instant::now());
                 let reply = link.recv(rid, self.timeout()).await;
+                times.replied = Some(Instant::now());
                 held.revoke();
                 let tv = Instant::now();
+                times.fenced = Some(tv);
                 match reply? {
                     Msg::Finish { digests, .. } => {
                         // Entries leave `reserved` only once verified: on any error, the
@@ -744,8 +813,9 @@ impl StageWorker {
                             rec.tensors += 1;
                         }
                     }
-                    other => return Err(Self::bad_reply(hop, rid, other)),
+                    other => return Err(bad_reply(hop.payload_kind, rid, other)),
                 }
+                times.verified = Some(Instant::now());
                 rec.verify_ms = ms(tv.elapsed());
                 Box::new(held)
             }
@@ -819,10 +889,13 @@ impl StageWorker {
                         grants,
                     },
                 })?;
-                let reply = self
+                times.granted = Some(Instant::now());
+                let (reply, replied) = self
                     .await_reply(link, engine, rid, &mut held.grants, fault)
                     .await;
+                times.replied = Some(replied);
                 let tv = Instant::now();
+                times.fenced = Some(tv);
                 match reply? {
                     Msg::Finish { .. } => {
                         // Every block the stage will use, reused ones included.
@@ -860,8 +933,9 @@ impl StageWorker {
                             }
                         }
                     }
-                    other => return Err(Self::bad_reply(hop, rid, other)),
+                    other => return Err(bad_reply(hop.payload_kind, rid, other)),
                 }
+                times.verified = Some(Instant::now());
                 rec.verify_ms = ms(tv.elapsed());
                 let per_block = 2 * u64::from(layout.num_layers) * bb;
                 rec.tensors = hop.tensors.len();
@@ -870,125 +944,165 @@ impl StageWorker {
                 Box::new(held)
             }
             InMem::Pool(pool) => {
-                let mut held = LeasesHeld {
-                    engine: engine.clone(),
-                    grants: vec![],
-                    _leases: vec![],
-                };
-                let mut grants = Vec::new();
-                let mut leases = Vec::new();
-                let fault = self.fault(hop, rid);
-                for t in &hop.tensors {
-                    // An exhausted pool: a reservation larger than the pool will ever have.
-                    let want = match fault {
-                        Some(HarnessFault::PoolExhausted) => pool.capacity() + 1,
-                        _ => t.byte_length,
-                    };
-                    let lease = pool
-                        .reserve(want, self.timeout())
-                        .await
-                        .map_err(|e| refuse(hop_err(Some(&t.name), &e)))?;
-                    let short = fault == Some(HarnessFault::GrantOutOfBounds) && t.byte_length > 1;
-                    let g = engine
-                        .grant(
-                            &pool.buffer,
-                            lease.offset,
-                            if short {
-                                t.byte_length - 1
-                            } else {
-                                t.byte_length
-                            },
-                            Access::Write,
-                        )
-                        .map_err(|e| refuse(hop_err(Some(&t.name), &e)))?;
-                    held.grants.push(g.clone());
-                    leases.push(lease.offset);
-                    held._leases.push(lease);
-                    // Out of bounds: the producer is told one byte more than granted.
-                    grants.push(NamedGrant {
-                        tensor: t.name.clone(),
-                        grant: Grant {
-                            len: t.byte_length,
-                            ..g
-                        },
-                    });
-                }
-                link.send(Msg::StageReserve {
-                    request: rid.into(),
-                    grants,
-                })?;
-                let reply = self
-                    .await_reply(link, engine, rid, &mut held.grants, fault)
-                    .await;
-                let tv = Instant::now();
-                match reply? {
-                    Msg::Packet { packet, .. } => {
-                        let p = Packet::from_msgpack(&packet).map_err(|e| {
-                            let e = format!("packet refused: {e}");
-                            hop_err(None, &Classified::new(FailureKind::BadSidecar, e))
-                        })?;
-                        if p.request_id != rid || p.payload_kind != hop.payload_kind {
-                            return Err(hop_err(
-                                None,
-                                &Classified::new(
-                                    FailureKind::BadSidecar,
-                                    format!(
-                                        "packet is for request {} / {}",
-                                        p.request_id, p.payload_kind
-                                    ),
-                                ),
-                            ));
-                        }
-                        for (t, &offset) in hop.tensors.iter().zip(&leases) {
-                            let e = p.entry(&t.name).ok_or_else(|| {
-                                hop_err(
-                                    Some(&t.name),
-                                    &Classified::new(
-                                        FailureKind::BadSidecar,
-                                        "missing from the packet",
-                                    ),
-                                )
-                            })?;
-                            if e.dtype != t.dtype || e.shape != t.shape {
-                                return Err(hop_err(
-                                    Some(&t.name),
-                                    &Classified::new(
-                                        FailureKind::BadSidecar,
-                                        format!(
-                                            "packet says {} {:?}, expected {} {:?}",
-                                            e.dtype, e.shape, t.dtype, t.shape
-                                        ),
-                                    ),
-                                ));
-                            }
-                            let found = cpu(|| {
-                                pool.buffer.view(offset, t.byte_length, |b| {
-                                    self.stub.check_input(plan, &t.name, b)
-                                })
-                            })
-                            .map_err(|e| hop_err(Some(&t.name), &e))?
-                            .map_err(|e| hop_err(Some(&t.name), &e))?;
-                            if found != e.digest {
-                                return Err(hop_err(
-                                    Some(&t.name),
-                                    &Classified::new(
-                                        FailureKind::Corrupt,
-                                        "landed bytes differ from the packet's digest",
-                                    ),
-                                ));
-                            }
-                            rec.tensors += 1;
-                            rec.landed_bytes += t.byte_length;
-                        }
-                    }
-                    other => return Err(Self::bad_reply(hop, rid, other)),
-                }
-                rec.verify_ms = ms(tv.elapsed());
+                let (held, t) = self
+                    .receive_packet(pool, engine, link, plan, hop, rid, t0)
+                    .await?;
+                times = t;
+                rec.tensors = hop.tensors.len();
+                rec.landed_bytes = hop.tensors.iter().map(|t| t.byte_length).sum();
+                rec.verify_ms = ms(times.verify());
                 Box::new(held)
             }
         };
-        rec.handoff_ms = ms(t0.elapsed());
+        let end = Instant::now();
+        rec.handoff_ms = ms(end.duration_since(t0));
+        rec.phases_ms = times.phases(end);
         Ok((held, rec))
+    }
+
+    /// The stage-packet connector's consumer end: drives a [`PacketConsumer`] from the
+    /// offer (already received at `offered`) to every tensor verified.
+    #[allow(clippy::too_many_arguments)]
+    async fn receive_packet(
+        &self,
+        pool: &Arc<Pool>,
+        engine: &Arc<Engine>,
+        link: &Link,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        offered: Instant,
+    ) -> Result<(LeasesHeld, HandoffTimes)> {
+        let plan_err = |tensor: &str, cause: &dyn Cause| {
+            HarnessError::handoff(hop.payload_kind, rid, Some(tensor), cause)
+        };
+        let mut held = LeasesHeld {
+            engine: engine.clone(),
+            grants: vec![],
+            _leases: vec![],
+        };
+        let fault = self.fault(hop, rid);
+        let mut m = PacketConsumer::new(hop.payload_kind, rid, hop.tensors.clone(), self.timeout());
+        m.handle_msg(
+            offered,
+            Msg::Offer {
+                request: rid.into(),
+            },
+        );
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    ConsumerAction::Reserve => {
+                        match self
+                            .reserve_packet(pool, engine, hop, rid, fault, &mut held)
+                            .await
+                        {
+                            Ok((told, offsets)) => {
+                                m.granted(Instant::now(), held.grants.clone(), told, offsets)
+                            }
+                            Err(e) => m.reserve_failed(vec![], e),
+                        }
+                    }
+                    ConsumerAction::Send(msg) => {
+                        let reserve = matches!(msg, Msg::StageReserve { .. });
+                        if reserve {
+                            link.send(msg)?;
+                        } else {
+                            let _ = link.send(msg);
+                        }
+                        // A revoked grant: revoked at once, before the producer can use it.
+                        if reserve && fault == Some(HarnessFault::GrantRevoked) {
+                            for g in &held.grants {
+                                engine.revoke(g);
+                            }
+                        }
+                    }
+                    ConsumerAction::Revoke(grants) => {
+                        for g in &grants {
+                            engine.revoke(g);
+                        }
+                        m.fenced(Instant::now());
+                    }
+                    ConsumerAction::Verify {
+                        index,
+                        tensor,
+                        offset,
+                        len,
+                    } => {
+                        let found = cpu(|| {
+                            pool.buffer
+                                .view(offset, len, |b| self.stub.check_input(plan, &tensor, b))
+                        });
+                        let found = match found {
+                            Ok(Ok(d)) => Ok(d),
+                            Ok(Err(e)) => Err(plan_err(&tensor, &e)),
+                            Err(e) => Err(plan_err(&tensor, &e)),
+                        };
+                        m.verified(Instant::now(), index, found);
+                    }
+                    ConsumerAction::Done => return Ok((held, m.times())),
+                    ConsumerAction::Failed(e) => return Err(e),
+                }
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
+    /// Reserves and grants a destination per tensor of a stage-packet hop (held in
+    /// `held`); returns the grants to tell the producer and where each tensor lands.
+    async fn reserve_packet(
+        &self,
+        pool: &Arc<Pool>,
+        engine: &Engine,
+        hop: &Hop,
+        rid: &str,
+        fault: Option<HarnessFault>,
+        held: &mut LeasesHeld,
+    ) -> Result<(Vec<Grant>, Vec<u64>)> {
+        let mut told = Vec::with_capacity(hop.tensors.len());
+        let mut offsets = Vec::with_capacity(hop.tensors.len());
+        for t in &hop.tensors {
+            let err =
+                |e: &dyn Cause| HarnessError::handoff(hop.payload_kind, rid, Some(&t.name), e);
+            // An exhausted pool: a reservation larger than the pool will ever have.
+            let want = match fault {
+                Some(HarnessFault::PoolExhausted) => pool.capacity() + 1,
+                _ => t.byte_length,
+            };
+            let lease = pool
+                .reserve(want, self.timeout())
+                .await
+                .map_err(|e| err(&e))?;
+            let short = fault == Some(HarnessFault::GrantOutOfBounds) && t.byte_length > 1;
+            let g = engine
+                .grant(
+                    &pool.buffer,
+                    lease.offset,
+                    if short {
+                        t.byte_length - 1
+                    } else {
+                        t.byte_length
+                    },
+                    Access::Write,
+                )
+                .map_err(|e| err(&e))?;
+            held.grants.push(g.clone());
+            offsets.push(lease.offset);
+            held._leases.push(lease);
+            // Out of bounds: the producer is told one byte more than granted.
+            told.push(Grant {
+                len: t.byte_length,
+                ..g
+            });
+        }
+        Ok((told, offsets))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1066,41 +1180,6 @@ impl StageWorker {
         Ok(slots)
     }
 
-    fn bad_reply(hop: &Hop, rid: &str, msg: Msg) -> HarnessError {
-        match msg {
-            Msg::Error {
-                failed,
-                cause,
-                kind,
-                peer,
-                ..
-            } => HarnessError::handoff(
-                hop.payload_kind,
-                rid,
-                failed.first().map(String::as_str),
-                // The producer's kind and peer: what happened, not who passed it on.
-                &Classified {
-                    kind,
-                    peer,
-                    text: format!(
-                        "producer reported ERROR{}: {cause}",
-                        if failed.len() > 1 {
-                            format!(" ({} failed: {})", failed.len(), failed.join(", "))
-                        } else {
-                            String::new()
-                        }
-                    ),
-                },
-            ),
-            other => HarnessError::handoff(
-                hop.payload_kind,
-                rid,
-                None,
-                &format!("unexpected {} message", other.name()),
-            ),
-        }
-    }
-
     // ---------------------------------------------------------------- producer
 
     /// Upstream of this stage failed: answer the downstream reservation with an
@@ -1126,7 +1205,15 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
+        started: Instant,
     ) -> Result<Sent> {
+        if let (
+            OutMem::Staging(pool),
+            PayloadKind::ThinkerToTalker | PayloadKind::TalkerToCode2wav,
+        ) = (&side.mem, hop.payload_kind)
+        {
+            return self.send_packet(side, pool, plan, hop, rid, started).await;
+        }
         let link = &side.end.link;
         let engine = &side.end.engine;
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
@@ -1208,7 +1295,16 @@ impl StageWorker {
             ..Default::default()
         };
         let result = self
-            .write(side, plan, hop, rid, msg, kv_blocks.as_ref(), &mut sent)
+            .write(
+                side,
+                plan,
+                hop,
+                rid,
+                msg,
+                kv_blocks.as_ref(),
+                &mut sent,
+                started,
+            )
             .await;
         match result {
             Ok(reply) => {
@@ -1228,6 +1324,110 @@ impl StageWorker {
         }
     }
 
+    /// The stage-packet connector's producer end: drives a [`PacketProducer`] from the
+    /// offer to the packet (or the ERROR naming what failed).
+    async fn send_packet(
+        &self,
+        side: &Side<OutMem>,
+        pool: &Arc<Pool>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        started: Instant,
+    ) -> Result<Sent> {
+        let link = &side.end.link;
+        let engine = &side.end.engine;
+        let mut m = PacketProducer::new(
+            Instant::now(),
+            hop.payload_kind,
+            rid,
+            hop.tensors.clone(),
+            self.timeout(),
+        );
+        if let Some(
+            f @ (HarnessFault::TruncatedSidecar
+            | HarnessFault::UnknownVersionSidecar
+            | HarnessFault::InconsistentSidecar),
+        ) = self.fault(hop, rid)
+        {
+            m = m.with_sidecar(move |p| faulty_sidecar(f, p));
+        }
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        let mut writes: Vec<(usize, Grant)> = Vec::new();
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    // The offer must reach the consumer; an ERROR is best effort (the
+                    // handoff already failed and says why).
+                    ProducerAction::Send(msg @ Msg::Error { .. }) => {
+                        let _ = link.send(msg);
+                    }
+                    ProducerAction::Send(msg) => link.send(msg)?,
+                    ProducerAction::Write { index, grant, .. } => writes.push((index, grant)),
+                    ProducerAction::Done => return Ok(sent),
+                    ProducerAction::Failed(e) => return Err(e),
+                }
+            }
+            if !writes.is_empty() {
+                // Stage every tensor, then write them all in one engine batch.
+                let mut requests = Vec::with_capacity(writes.len());
+                let mut indices = Vec::with_capacity(writes.len());
+                let mut leases = Vec::with_capacity(writes.len());
+                let ts = Instant::now();
+                for (index, grant) in writes.drain(..) {
+                    let name = &hop.tensors[index].name;
+                    match self.stage_tensor(pool, plan, hop, rid, name, &grant).await {
+                        Ok((lease, len, digest)) => {
+                            m.staged(index, digest);
+                            requests.push(
+                                Request::write(&pool.buffer, lease.offset, &grant, 0, len)
+                                    .tagged(fault_tag(rid, name)),
+                            );
+                            indices.push(index);
+                            sent.bytes += len;
+                            leases.push(lease);
+                        }
+                        Err((_, e)) => {
+                            m.stage_failed(index, e);
+                            break;
+                        }
+                    }
+                }
+                sent.stage_ms = ms(ts.elapsed());
+                if m.state() == ProducerState::Writing {
+                    sent.requests = requests.len();
+                    sent.tensors = indices.len();
+                    let t = Instant::now();
+                    sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                    let r = engine.transfer(requests, Some(self.timeout())).await;
+                    sent.transfer_ms = ms(t.elapsed());
+                    match r {
+                        Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                        Err(e) => {
+                            let index = e.task().and_then(|k| indices.get(k).copied());
+                            let name = index.map(|i| hop.tensors[i].name.as_str());
+                            let err = HarnessError::handoff(hop.payload_kind, rid, name, &e);
+                            m.write_failed(index, err);
+                        }
+                    }
+                }
+                drop(leases);
+                continue;
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
     /// Produces and writes what the reservation asks for; returns the reply to
     /// send, or the failed tensors and the error.
     #[allow(clippy::too_many_arguments)]
@@ -1240,20 +1440,19 @@ impl StageWorker {
         msg: Msg,
         kv_held: Option<&KvHeld>,
         sent: &mut Sent,
+        started: Instant,
     ) -> std::result::Result<Msg, (Vec<String>, HarnessError)> {
         let engine = &side.end.engine;
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
         };
-        let fail = |tensor: &str, cause: &dyn Cause| {
-            (vec![tensor.to_string()], hop_err(Some(tensor), cause))
-        };
         let mut requests = Vec::new();
         let mut names: Vec<String> = Vec::new();
         let mut leases = Vec::new();
-        // (tensor, digest, grant) of each staged tensor.
-        let mut staged: Vec<(String, Digest128, Grant)> = Vec::new();
-        let reply = match (&side.mem, msg) {
+        // (tensor, digest) of each staged tensor.
+        let mut staged: Vec<(String, Digest128)> = Vec::new();
+        let ts = Instant::now();
+        match (&side.mem, msg) {
             (OutMem::Staging(pool), Msg::EcReserve { slots, .. }) => {
                 for s in slots {
                     let Some(g) = s.grant else { continue };
@@ -1265,31 +1464,10 @@ impl StageWorker {
                             .tagged(fault_tag(rid, &s.tensor)),
                     );
                     names.push(s.tensor.clone());
-                    staged.push((s.tensor, d, g));
+                    staged.push((s.tensor, d));
                     sent.bytes += len;
                     leases.push(lease);
                 }
-                None
-            }
-            (OutMem::Staging(pool), Msg::StageReserve { grants, .. }) => {
-                for t in &hop.tensors {
-                    let g = grants
-                        .iter()
-                        .find(|g| g.tensor == t.name)
-                        .ok_or_else(|| fail(&t.name, &"no grant for it in the reservation"))?;
-                    let (lease, len, d) = self
-                        .stage_tensor(pool, plan, hop, rid, &t.name, &g.grant)
-                        .await?;
-                    requests.push(
-                        Request::write(&pool.buffer, lease.offset, &g.grant, 0, len)
-                            .tagged(fault_tag(rid, &t.name)),
-                    );
-                    names.push(t.name.clone());
-                    staged.push((t.name.clone(), d, g.grant.clone()));
-                    sent.bytes += len;
-                    leases.push(lease);
-                }
-                Some(())
             }
             (OutMem::Kv(kv), Msg::KvReserve { reservation, .. }) => {
                 let held = kv_held.expect("prefill holds its blocks");
@@ -1321,7 +1499,6 @@ impl StageWorker {
                     sent.bytes += len;
                 }
                 sent.tensors = hop.tensors.len();
-                None
             }
             (_, other) => {
                 return Err((
@@ -1330,11 +1507,13 @@ impl StageWorker {
                 ));
             }
         };
+        sent.stage_ms = ms(ts.elapsed());
         sent.requests = requests.len();
         if sent.tensors == 0 {
             sent.tensors = staged.len();
         }
         let t = Instant::now();
+        sent.transfer_start_ms = Some(ms(t.duration_since(started)));
         if !requests.is_empty() {
             engine
                 .transfer(requests, Some(self.timeout()))
@@ -1349,48 +1528,15 @@ impl StageWorker {
         }
         sent.transfer_ms = ms(t.elapsed());
         drop(leases);
-        Ok(match reply {
-            // Stage connector: the sidecar goes out only now, after every tensor landed.
-            Some(()) => {
-                let entries = staged
-                    .into_iter()
-                    .map(|(name, digest, g)| {
-                        let spec = hop.tensor(&name).expect("staged from the hop");
-                        TensorEntry {
-                            name,
-                            dtype: spec.dtype,
-                            shape: spec.shape.clone(),
-                            byte_length: spec.byte_length,
-                            digest,
-                            transfer_key: Some(TransferKey::Text(format!(
-                                "{}/{}@{}",
-                                g.segment, g.buffer, g.offset
-                            ))),
-                        }
-                    })
-                    .collect();
-                let packet = Packet::new(rid, hop.payload_kind, 0, true, entries);
-                let packet = match self.fault(hop, rid) {
-                    Some(f) => faulty_sidecar(f, packet),
-                    None => packet
-                        .to_msgpack()
-                        .map_err(|e| (vec![], hop_err(None, &e)))?,
-                };
-                Msg::Packet {
-                    request: rid.into(),
-                    packet,
-                }
-            }
-            None => Msg::Finish {
-                request: rid.into(),
-                digests: staged
-                    .into_iter()
-                    .map(|(tensor, d, _)| NamedDigest {
-                        tensor,
-                        digest: d.to_hex(),
-                    })
-                    .collect(),
-            },
+        Ok(Msg::Finish {
+            request: rid.into(),
+            digests: staged
+                .into_iter()
+                .map(|(tensor, d)| NamedDigest {
+                    tensor,
+                    digest: d.to_hex(),
+                })
+                .collect(),
         })
     }
 

@@ -21,6 +21,63 @@ fn assert_clean_pass(r: &Report) {
     }
     assert!(r.summary.pools_clean, "{}", r.summary_text());
     assert!(r.passed(), "{}", r.summary_text());
+    assert_phases_and_offsets(r);
+}
+
+/// Each handoff's phases are consecutive and add up to it; the reply wait holds the engine
+/// transfer; each stage's receive, compute and send follow each other on its timeline.
+fn assert_phases_and_offsets(r: &Report) {
+    const EPS: f64 = 1e-6;
+    for q in &r.requests {
+        for h in &q.hops {
+            let p = &h.phases_ms;
+            assert!(
+                (p.total() - h.handoff_ms).abs() < EPS,
+                "{} {}: phases {p:?} add up to {} ms, handoff {} ms",
+                q.id,
+                h.hop,
+                p.total(),
+                h.handoff_ms
+            );
+            assert!(
+                p.transfer + EPS >= h.transfer_ms,
+                "{} {}: reply wait {} ms shorter than its engine transfer {} ms",
+                q.id,
+                h.hop,
+                p.transfer,
+                h.transfer_ms
+            );
+        }
+        for s in q.stages.iter().filter(|s| s.participated) {
+            let compute = s.compute_start_ms.expect("a stage that ran computed");
+            if let Some(rec) = &s.received {
+                let at = rec.start_ms.expect("a received hop has its offer's offset");
+                assert!(
+                    at + rec.handoff_ms <= compute + EPS,
+                    "{} {}: {s:?}",
+                    q.id,
+                    s.stage
+                );
+            }
+            if let Some(sent) = &s.sent {
+                let at = sent
+                    .transfer_start_ms
+                    .expect("a sent hop has its transfer's offset");
+                assert!(
+                    compute + s.compute_ms <= at + EPS,
+                    "{} {}: {s:?}",
+                    q.id,
+                    s.stage
+                );
+                assert!(
+                    at + sent.transfer_ms <= s.total_ms + EPS,
+                    "{} {}: {s:?}",
+                    q.id,
+                    s.stage
+                );
+            }
+        }
+    }
 }
 
 #[rstest]

@@ -311,6 +311,7 @@ pub fn build(
         );
         sec.blocks.push(Block::Verdicts(run_verdicts(r)));
         sec.blocks.push(Block::Table(run_hop_table(r)));
+        sec.blocks.push(Block::Table(run_phase_table(r)));
         let failed: Vec<_> = r.requests.iter().filter(|q| !q.ok).collect();
         if !failed.is_empty() {
             let mut t = Table::new(&[("request", false), ("error", false)]);
@@ -537,6 +538,35 @@ fn run_hop_table(r: &Report) -> Table {
             format!("{:.3}", h.gbps),
             time(h.handoff_ms_p50 * 1e3),
             time(h.handoff_ms_p99 * 1e3),
+        ]);
+    }
+    t
+}
+
+/// Where each hop's handoff time goes (p50 of each phase, as its consumer saw it), beside
+/// the engine transfer: what is neither transfer nor verification shows here.
+fn run_phase_table(r: &Report) -> Table {
+    let mut t = Table::new(&[
+        ("hop", false),
+        ("handoff p50", true),
+        ("reserve + grant", true),
+        ("reply wait", true),
+        ("of which engine transfer", true),
+        ("fence", true),
+        ("verify", true),
+        ("ack", true),
+    ]);
+    for h in &r.hops {
+        let p = &h.phases_ms_p50;
+        t.push(vec![
+            h.hop.clone(),
+            time(h.handoff_ms_p50 * 1e3),
+            time(p.reserve * 1e3),
+            time(p.transfer * 1e3),
+            time(h.transfer_ms_p50 * 1e3),
+            time(p.fence * 1e3),
+            time(p.verify * 1e3),
+            time(p.ack * 1e3),
         ]);
     }
     t

@@ -781,13 +781,13 @@ where
 
 // ---------------------------------------------------------------- timeline
 
-/// (stage, start ms, receive ms, compute ms, send ms).
-pub type StageSpan = (String, f64, f64, f64, f64);
+/// (stage, `[start, end]` ms of each phase of [`PHASES`]: receive, compute, send).
+pub type StageSpan = (String, [(f64, f64); 3]);
 
-/// Per request, per stage: `[start, end]` relative to the request's start, split into
-/// receive (offer -> inputs verified), compute, and send (the outbound engine transfer).
-/// Stages start with the request and wait for their inbound offer, so a stage's end is its
-/// `total_ms`; its busy span is laid back from there (handoff + compute + transfer).
+/// Per request, per stage: where each phase lay, relative to the request's start (stages
+/// start a request together): receive (offer -> inputs verified), compute, and send (the
+/// outbound engine transfer). Outcomes carry start offsets; a report written before they
+/// did has none, and its spans are laid back from each stage's end (`total_ms`) instead.
 pub fn stage_spans(r: &Report) -> Vec<(String, Vec<StageSpan>)> {
     r.requests
         .iter()
@@ -799,9 +799,26 @@ pub fn stage_spans(r: &Report) -> Vec<(String, Vec<StageSpan>)> {
                 .map(|s| {
                     let recv = s.received.as_ref().map_or(0.0, |x| x.handoff_ms);
                     let send = s.sent.as_ref().map_or(0.0, |x| x.transfer_ms);
-                    let end = s.total_ms;
-                    let start = (end - recv - s.compute_ms - send).max(0.0);
-                    (s.stage.clone(), start, recv, s.compute_ms, send)
+                    let laid_back = (s.total_ms - recv - s.compute_ms - send).max(0.0);
+                    let compute_at = s.compute_start_ms.unwrap_or(laid_back + recv);
+                    let recv_at = s
+                        .received
+                        .as_ref()
+                        .and_then(|x| x.start_ms)
+                        .unwrap_or(compute_at - recv);
+                    let send_at = s
+                        .sent
+                        .as_ref()
+                        .and_then(|x| x.transfer_start_ms)
+                        .unwrap_or(compute_at + s.compute_ms);
+                    (
+                        s.stage.clone(),
+                        [
+                            (recv_at, recv_at + recv),
+                            (compute_at, compute_at + s.compute_ms),
+                            (send_at, send_at + send),
+                        ],
+                    )
                 })
                 .collect();
             (q.id.clone(), spans)
@@ -851,7 +868,7 @@ where
     chart
         .configure_mesh()
         .disable_y_mesh()
-        .x_desc("time since the request started (each stage's busy span laid back from its end)")
+        .x_desc("time since the request started")
         .x_label_formatter(&|v| human_time(v * 1e3))
         .y_labels(rows)
         .y_label_formatter(&|y| match y {
@@ -869,14 +886,10 @@ where
     for (pi, (_, c)) in PHASES.iter().enumerate() {
         let mut rects = Vec::new();
         for (ri, (_, sp)) in spans.iter().enumerate() {
-            for (stage, start, recv, comp, send) in sp {
+            for (stage, phases) in sp {
                 let si = STAGES.iter().position(|s| s == stage).unwrap_or(0);
                 let row = (rows - 1 - (ri * STAGES.len() + si)) as i32;
-                let (a, b) = match pi {
-                    0 => (*start, start + recv),
-                    1 => (start + recv, start + recv + comp),
-                    _ => (start + recv + comp, start + recv + comp + send),
-                };
+                let (a, b) = phases[pi];
                 if b > a {
                     rects.push(Rectangle::new(
                         [

@@ -422,7 +422,12 @@ fn every_suite_and_a_run_report_make_one_well_formed_page() {
     }
     // Verdicts and tables per run; summary.md has the same tables.
     assert!(html.contains("thinker-talker &gt;= 5x pickle"));
-    assert_eq!(html.matches("<table>").count(), 2 + 3 + 1 + 2);
+    // The run: hops, where each handoff's time goes, failed requests.
+    assert!(
+        html.contains(">reserve + grant</th>"),
+        "no handoff phase table"
+    );
+    assert_eq!(html.matches("<table>").count(), 2 + 3 + 1 + 3);
     let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
     assert_eq!(
         md.matches("\n|---").count(),
@@ -831,4 +836,57 @@ fn odd_inputs_render_or_are_refused_never_spin() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The timeline places each phase where the outcome says it started; a report written
+/// before outcomes carried offsets is laid back from each stage's end.
+#[test]
+fn timeline_spans_follow_the_outcomes_start_offsets() {
+    use omnirig_harness::stage::{Received, Sent};
+    let with = StageOutcome {
+        stage: "talker".into(),
+        participated: true,
+        received: Some(Received {
+            handoff_ms: 2.0,
+            start_ms: Some(10.0),
+            ..Default::default()
+        }),
+        sent: Some(Sent {
+            transfer_ms: 1.0,
+            transfer_start_ms: Some(20.0),
+            ..Default::default()
+        }),
+        compute_ms: 5.0,
+        compute_start_ms: Some(12.5),
+        total_ms: 30.0,
+        ..Default::default()
+    };
+    let mut without = with.clone();
+    without.compute_start_ms = None;
+    without.received.as_mut().unwrap().start_ms = None;
+    without.sent.as_mut().unwrap().transfer_start_ms = None;
+    let report = Report {
+        report_version: 1,
+        scenario: "t".into(),
+        mode: "in_process".into(),
+        transports: Default::default(),
+        concurrency: 1,
+        wall_s: 1.0,
+        summary: Default::default(),
+        hops: vec![],
+        requests: vec![RequestResult {
+            id: "000-x".into(),
+            stages: vec![with, without],
+            ..Default::default()
+        }],
+        stages: vec![],
+        faults: None,
+    };
+    let spans = stage_spans(&report);
+    let [(_, exact), (_, laid_back)] = spans[0].1.as_slice() else {
+        panic!("{spans:?}")
+    };
+    assert_eq!(exact, &[(10.0, 12.0), (12.5, 17.5), (20.0, 21.0)]);
+    // Laid back from the end (30): send 29..30, compute 24..29, receive 22..24.
+    assert_eq!(laid_back, &[(22.0, 24.0), (24.0, 29.0), (29.0, 30.0)]);
 }

@@ -1,0 +1,1203 @@
+//! The stage-packet connector (Thinker -> Talker, Talker -> Code2Wav) as two I/O-free
+//! state machines, one per hop end: events in, actions out, the clock passed in.
+//!
+//! Neither machine touches a socket, an engine or a pool. A driver ([`crate::stage`] in
+//! `omnirig run`) feeds them what happened (a message arrived, a reservation was made, a
+//! write completed, the deadline passed) and carries out what they ask for (send this,
+//! revoke those grants, write that tensor, verify those bytes). So the orderings the
+//! network rarely produces (a grant after the timeout, a duplicate packet, a packet asked
+//! for before its last write completed, a grant revoked while a write is in flight) are
+//! tested here by hand, without sockets or sleeps.
+//!
+//! The protocol, consumer-driven:
+//! 1. producer -> consumer `Offer` (its outputs exist);
+//! 2. the consumer reserves a destination per tensor and grants it: `StageReserve`;
+//! 3. the producer stages and writes every tensor;
+//! 4. only once every write completed: producer -> consumer `Packet` (packet v1 sidecar), or
+//!    `Error` naming the tensor that failed;
+//! 5. the consumer revokes its grants (the fence: nothing lands after this), checks the
+//!    sidecar, then verifies each tensor's landed bytes against the sidecar's digest.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use omnirig_fixtures::{Digest128, Packet, PayloadKind, TensorEntry, TensorSpec};
+use omnirig_transports::Grant;
+
+use crate::control::{Msg, NamedGrant};
+use crate::error::{Cause, Classified, FailureKind, HarnessError};
+
+/// The error a hop's end reports when its peer answered with `msg` instead of what the
+/// protocol expects next (an ERROR keeps the producer's kind and peer).
+pub fn bad_reply(kind: PayloadKind, rid: &str, msg: Msg) -> HarnessError {
+    match msg {
+        Msg::Error {
+            failed,
+            cause,
+            kind: failure,
+            peer,
+            ..
+        } => HarnessError::handoff(
+            kind,
+            rid,
+            failed.first().map(String::as_str),
+            // The producer's kind and peer: what happened, not who passed it on.
+            &Classified {
+                kind: failure,
+                peer,
+                text: format!(
+                    "producer reported ERROR{}: {cause}",
+                    if failed.len() > 1 {
+                        format!(" ({} failed: {})", failed.len(), failed.join(", "))
+                    } else {
+                        String::new()
+                    }
+                ),
+            },
+        ),
+        other => HarnessError::handoff(
+            kind,
+            rid,
+            None,
+            &format!("unexpected {} message", other.name()),
+        ),
+    }
+}
+
+/// When each step of a handoff happened, as the consumer saw it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HandoffTimes {
+    pub offered: Option<Instant>,
+    /// The reservation went out (pools reserved, grants made).
+    pub granted: Option<Instant>,
+    /// The producer's packet (or error) arrived.
+    pub replied: Option<Instant>,
+    /// The grants were revoked (set by the driver, which carries out the revocation).
+    pub fenced: Option<Instant>,
+    /// Every tensor verified.
+    pub verified: Option<Instant>,
+}
+
+impl HandoffTimes {
+    fn span(a: Option<Instant>, b: Option<Instant>) -> Duration {
+        match (a, b) {
+            (Some(a), Some(b)) => b.saturating_duration_since(a),
+            _ => Duration::ZERO,
+        }
+    }
+    /// Offer -> reservation sent.
+    pub fn reserve(&self) -> Duration {
+        Self::span(self.offered, self.granted)
+    }
+    /// Reservation sent -> packet arrived (the producer staged and wrote in between).
+    pub fn transfer(&self) -> Duration {
+        Self::span(self.granted, self.replied)
+    }
+    /// Grants revoked (or, before that is known, packet arrived) -> every tensor verified.
+    pub fn verify(&self) -> Duration {
+        Self::span(self.fenced.or(self.replied), self.verified)
+    }
+    /// Offer -> every tensor verified.
+    pub fn handoff(&self) -> Duration {
+        Self::span(self.offered, self.verified)
+    }
+
+    /// The handoff split into consecutive phases, ending at `end` (the consumer's
+    /// bookkeeping after verification is the ack phase).
+    pub fn phases(&self, end: Instant) -> crate::stage::HandoffPhases {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let fenced = self.fenced.or(self.replied);
+        crate::stage::HandoffPhases {
+            reserve: ms(Self::span(self.offered, self.granted)),
+            transfer: ms(Self::span(self.granted, self.replied)),
+            fence: ms(Self::span(self.replied, fenced)),
+            verify: ms(Self::span(fenced, self.verified)),
+            ack: ms(Self::span(self.verified, Some(end))),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- consumer
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsumerState {
+    AwaitOffer,
+    /// Offer seen; the driver is reserving.
+    Reserving,
+    /// Reservation sent; waiting for the packet (the deadline runs).
+    Granted,
+    /// Packet accepted; waiting for the driver's digests.
+    Verifying,
+    Done,
+    Failed,
+}
+
+/// What the consumer asks its driver to do.
+// Actions are queued and taken one at a time; most carry a message.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum ConsumerAction {
+    /// Reserve and grant a destination per tensor (in the hop's order), then call
+    /// [`PacketConsumer::granted`] or [`PacketConsumer::reserve_failed`].
+    Reserve,
+    Send(Msg),
+    /// Revoke these grants now: no byte may land after this.
+    Revoke(Vec<Grant>),
+    /// Digest the landed bytes of tensor `index` and call [`PacketConsumer::verified`].
+    Verify {
+        index: usize,
+        tensor: String,
+        offset: u64,
+        len: u64,
+    },
+    /// Every tensor landed and matched its digest: the stage may start.
+    Done,
+    Failed(HarnessError),
+}
+
+/// The consumer end of one request's stage-packet hop.
+#[derive(Debug)]
+pub struct PacketConsumer {
+    kind: PayloadKind,
+    rid: String,
+    tensors: Vec<TensorSpec>,
+    timeout: Duration,
+    state: ConsumerState,
+    deadline: Option<Instant>,
+    /// Grants as made (what the driver revokes), and where each tensor lands.
+    grants: Vec<Grant>,
+    offsets: Vec<u64>,
+    /// Digests the packet declared, per tensor.
+    expected: Vec<Digest128>,
+    verified: Vec<bool>,
+    /// Messages that arrived after the handoff ended, ignored.
+    stale: usize,
+    times: HandoffTimes,
+    actions: VecDeque<ConsumerAction>,
+}
+
+impl PacketConsumer {
+    pub fn new(kind: PayloadKind, rid: &str, tensors: Vec<TensorSpec>, timeout: Duration) -> Self {
+        Self {
+            kind,
+            rid: rid.into(),
+            tensors,
+            timeout,
+            state: ConsumerState::AwaitOffer,
+            deadline: None,
+            grants: vec![],
+            offsets: vec![],
+            expected: vec![],
+            verified: vec![],
+            stale: 0,
+            times: HandoffTimes::default(),
+            actions: VecDeque::new(),
+        }
+    }
+
+    pub fn state(&self) -> ConsumerState {
+        self.state
+    }
+    pub fn times(&self) -> HandoffTimes {
+        self.times
+    }
+    /// The driver revoked the grants the packet's arrival asked it to (the fence).
+    pub fn fenced(&mut self, now: Instant) {
+        if self.times.replied.is_some() && self.times.fenced.is_none() {
+            self.times.fenced = Some(now);
+        }
+    }
+    /// Messages ignored because they came after the handoff had ended.
+    pub fn stale(&self) -> usize {
+        self.stale
+    }
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+    /// When [`Self::handle_timeout`] is due, if a deadline runs.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.deadline
+    }
+    pub fn poll_action(&mut self) -> Option<ConsumerAction> {
+        self.actions.pop_front()
+    }
+
+    fn err(&self, tensor: Option<&str>, cause: &dyn Cause) -> HarnessError {
+        HarnessError::handoff(self.kind, &self.rid, tensor, cause)
+    }
+
+    fn terminal(&self) -> bool {
+        matches!(self.state, ConsumerState::Done | ConsumerState::Failed)
+    }
+
+    /// Ends the handoff with `e`: grants revoked first, so nothing lands in memory the
+    /// driver is about to hand back.
+    fn fail(&mut self, e: HarnessError) {
+        self.deadline = None;
+        if !self.grants.is_empty() {
+            self.actions
+                .push_back(ConsumerAction::Revoke(std::mem::take(&mut self.grants)));
+        }
+        self.state = ConsumerState::Failed;
+        self.actions.push_back(ConsumerAction::Failed(e));
+    }
+
+    /// A message for this request arrived.
+    pub fn handle_msg(&mut self, now: Instant, msg: Msg) {
+        if self.terminal() {
+            self.stale += 1;
+            return;
+        }
+        match (self.state, msg) {
+            (ConsumerState::AwaitOffer, Msg::Offer { .. }) => {
+                self.times.offered = Some(now);
+                self.state = ConsumerState::Reserving;
+                self.actions.push_back(ConsumerAction::Reserve);
+            }
+            (ConsumerState::AwaitOffer, other) => {
+                // Refuse upstream, so it does not wait for us.
+                let e = bad_reply(self.kind, &self.rid, other);
+                self.refuse(&e);
+                self.fail(e);
+            }
+            (ConsumerState::Granted, Msg::Packet { packet, .. }) => {
+                self.times.replied = Some(now);
+                self.deadline = None;
+                // The fence: the producer says every write completed; nothing lands after this.
+                self.actions
+                    .push_back(ConsumerAction::Revoke(std::mem::take(&mut self.grants)));
+                match self.check_packet(&packet) {
+                    Ok(expected) => {
+                        self.expected = expected;
+                        self.verified = vec![false; self.tensors.len()];
+                        self.state = ConsumerState::Verifying;
+                        for (index, t) in self.tensors.iter().enumerate() {
+                            self.actions.push_back(ConsumerAction::Verify {
+                                index,
+                                tensor: t.name.clone(),
+                                offset: self.offsets[index],
+                                len: t.byte_length,
+                            });
+                        }
+                        self.finish_if_verified(now);
+                    }
+                    Err(e) => self.fail(e),
+                }
+            }
+            (ConsumerState::Granted, other) => {
+                self.times.replied = Some(now);
+                let e = bad_reply(self.kind, &self.rid, other);
+                self.fail(e);
+            }
+            // Reserving: the producer waits for our reservation and sends nothing but an
+            // ERROR (its upstream failed). Verifying: a second packet.
+            (_, Msg::Error { .. }) if self.state == ConsumerState::Reserving => {
+                self.stale += 1;
+            }
+            (_, other) => {
+                let e = bad_reply(self.kind, &self.rid, other);
+                self.fail(e);
+            }
+        }
+    }
+
+    fn refuse(&mut self, e: &HarnessError) {
+        self.actions.push_back(ConsumerAction::Send(Msg::Refuse {
+            request: self.rid.clone(),
+            cause: e.to_string(),
+            kind: e.failure_kind(),
+        }));
+    }
+
+    /// The driver reserved and granted: `made` are the grants as made (revoked at the
+    /// fence), `told` what the producer is sent, `offsets` where each tensor lands.
+    pub fn granted(&mut self, now: Instant, made: Vec<Grant>, told: Vec<Grant>, offsets: Vec<u64>) {
+        if self.state != ConsumerState::Reserving {
+            // A reservation completing after the handoff ended: hand it straight back.
+            if !made.is_empty() {
+                self.actions.push_back(ConsumerAction::Revoke(made));
+            }
+            return;
+        }
+        assert_eq!(told.len(), self.tensors.len(), "one grant per tensor");
+        assert_eq!(offsets.len(), self.tensors.len(), "one offset per tensor");
+        self.grants = made;
+        self.offsets = offsets;
+        self.times.granted = Some(now);
+        self.deadline = Some(now + self.timeout);
+        self.state = ConsumerState::Granted;
+        let grants = self
+            .tensors
+            .iter()
+            .zip(told)
+            .map(|(t, grant)| NamedGrant {
+                tensor: t.name.clone(),
+                grant,
+            })
+            .collect();
+        self.actions
+            .push_back(ConsumerAction::Send(Msg::StageReserve {
+                request: self.rid.clone(),
+                grants,
+            }));
+    }
+
+    /// The driver could not reserve (`made`: the grants it did make, to revoke): refuse
+    /// upstream so it does not wait for us.
+    pub fn reserve_failed(&mut self, made: Vec<Grant>, e: HarnessError) {
+        self.grants.extend(made);
+        if self.terminal() {
+            let g = std::mem::take(&mut self.grants);
+            if !g.is_empty() {
+                self.actions.push_back(ConsumerAction::Revoke(g));
+            }
+            return;
+        }
+        self.refuse(&e);
+        self.fail(e);
+    }
+
+    /// The control link failed (closed, or no message in time): the handoff ends with it.
+    pub fn link_failed(&mut self, e: HarnessError) {
+        if !self.terminal() {
+            self.fail(e);
+        }
+    }
+
+    /// The deadline passed without the packet.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.deadline {
+            Some(d) if now >= d && !self.terminal() => {
+                let e = self.err(
+                    None,
+                    &Classified::new(
+                        FailureKind::TimedOut,
+                        format!("no packet within {:?} of the reservation", self.timeout),
+                    ),
+                );
+                self.fail(e);
+            }
+            _ => {}
+        }
+    }
+
+    /// The driver digested tensor `index`'s landed bytes (or failed to).
+    pub fn verified(
+        &mut self,
+        now: Instant,
+        index: usize,
+        found: std::result::Result<Digest128, HarnessError>,
+    ) {
+        if self.state != ConsumerState::Verifying || index >= self.tensors.len() {
+            return;
+        }
+        let name = self.tensors[index].name.clone();
+        match found {
+            Err(e) => self.fail(e),
+            Ok(d) if d != self.expected[index] => {
+                let e = self.err(
+                    Some(&name),
+                    &Classified::new(
+                        FailureKind::Corrupt,
+                        "landed bytes differ from the packet's digest",
+                    ),
+                );
+                self.fail(e);
+            }
+            Ok(_) => {
+                self.verified[index] = true;
+                self.finish_if_verified(now);
+            }
+        }
+    }
+
+    fn finish_if_verified(&mut self, now: Instant) {
+        if self.state == ConsumerState::Verifying && self.verified.iter().all(|&v| v) {
+            self.times.verified = Some(now);
+            self.state = ConsumerState::Done;
+            self.actions.push_back(ConsumerAction::Done);
+        }
+    }
+
+    /// Decodes and checks the sidecar: version, request, kind, one entry per tensor with the
+    /// expected dtype and shape. Returns the declared digests in the hop's order.
+    fn check_packet(&self, bytes: &[u8]) -> std::result::Result<Vec<Digest128>, HarnessError> {
+        let sidecar = |text: String| Classified::new(FailureKind::BadSidecar, text);
+        let p = Packet::from_msgpack(bytes)
+            .map_err(|e| self.err(None, &sidecar(format!("packet refused: {e}"))))?;
+        if p.request_id != self.rid || p.payload_kind != self.kind {
+            return Err(self.err(
+                None,
+                &sidecar(format!(
+                    "packet is for request {} / {}",
+                    p.request_id, p.payload_kind
+                )),
+            ));
+        }
+        self.tensors
+            .iter()
+            .map(|t| {
+                let e = p.entry(&t.name).ok_or_else(|| {
+                    self.err(Some(&t.name), &sidecar("missing from the packet".into()))
+                })?;
+                if e.dtype != t.dtype || e.shape != t.shape {
+                    return Err(self.err(
+                        Some(&t.name),
+                        &sidecar(format!(
+                            "packet says {} {:?}, expected {} {:?}",
+                            e.dtype, e.shape, t.dtype, t.shape
+                        )),
+                    ));
+                }
+                Ok(e.digest)
+            })
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------- producer
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProducerState {
+    /// Offer sent; waiting for the reservation (the deadline runs).
+    Offered,
+    /// Writes issued; waiting for every one to complete.
+    Writing,
+    /// Packet sent: the handoff is the consumer's now.
+    Announced,
+    Failed,
+}
+
+/// What the producer asks its driver to do.
+// Actions are queued and taken one at a time; most carry a message.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum ProducerAction {
+    Send(Msg),
+    /// Stage tensor `index` and write it into `grant`; report with
+    /// [`PacketProducer::staged`] and then [`PacketProducer::write_completed`] or
+    /// [`PacketProducer::write_failed`]. Writes may be submitted together.
+    Write {
+        index: usize,
+        tensor: String,
+        grant: Grant,
+    },
+    /// The packet is out: the handoff ended well on this side.
+    Done,
+    Failed(HarnessError),
+}
+
+/// The producer end of one request's stage-packet hop.
+#[derive(Debug)]
+pub struct PacketProducer {
+    kind: PayloadKind,
+    rid: String,
+    tensors: Vec<TensorSpec>,
+    timeout: Duration,
+    state: ProducerState,
+    deadline: Option<Instant>,
+    grants: Vec<Option<Grant>>,
+    digests: Vec<Option<Digest128>>,
+    /// Per tensor: a write issued and not yet completed.
+    in_flight: Vec<bool>,
+    written: Vec<bool>,
+    /// The consumer withdrew while writes were in flight (its ERROR / REFUSE): the first
+    /// failure seen, reported once the writes settle.
+    withdrawn: Option<HarnessError>,
+    stale: usize,
+    /// The sidecar a fault scripts instead of the real one.
+    sidecar_override: Option<SidecarOverride>,
+    actions: VecDeque<ProducerAction>,
+}
+
+/// What a faulty producer sends instead of the real sidecar.
+pub struct SidecarOverride(Box<dyn Fn(Packet) -> Vec<u8> + Send + Sync>);
+
+impl std::fmt::Debug for SidecarOverride {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SidecarOverride")
+    }
+}
+
+impl PacketProducer {
+    /// A producer whose outputs exist: it offers them at once.
+    pub fn new(
+        now: Instant,
+        kind: PayloadKind,
+        rid: &str,
+        tensors: Vec<TensorSpec>,
+        timeout: Duration,
+    ) -> Self {
+        let n = tensors.len();
+        let mut p = Self {
+            kind,
+            rid: rid.into(),
+            tensors,
+            timeout,
+            state: ProducerState::Offered,
+            deadline: Some(now + timeout),
+            grants: vec![None; n],
+            digests: vec![None; n],
+            in_flight: vec![false; n],
+            written: vec![false; n],
+            withdrawn: None,
+            stale: 0,
+            sidecar_override: None,
+            actions: VecDeque::new(),
+        };
+        p.actions.push_back(ProducerAction::Send(Msg::Offer {
+            request: rid.into(),
+        }));
+        p
+    }
+
+    /// Sends `f(packet)` instead of the packet (fault injection: a malformed sidecar).
+    pub fn with_sidecar(mut self, f: impl Fn(Packet) -> Vec<u8> + Send + Sync + 'static) -> Self {
+        self.sidecar_override = Some(SidecarOverride(Box::new(f)));
+        self
+    }
+
+    pub fn state(&self) -> ProducerState {
+        self.state
+    }
+    pub fn stale(&self) -> usize {
+        self.stale
+    }
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.deadline
+    }
+    pub fn poll_action(&mut self) -> Option<ProducerAction> {
+        self.actions.pop_front()
+    }
+
+    fn err(&self, tensor: Option<&str>, cause: &dyn Cause) -> HarnessError {
+        HarnessError::handoff(self.kind, &self.rid, tensor, cause)
+    }
+
+    fn terminal(&self) -> bool {
+        matches!(self.state, ProducerState::Announced | ProducerState::Failed)
+    }
+
+    /// Ends the handoff: the consumer waits for a packet or an ERROR, so always answer
+    /// (`tell`), naming what failed.
+    fn fail(&mut self, failed: Vec<String>, e: HarnessError, tell: bool) {
+        self.deadline = None;
+        self.state = ProducerState::Failed;
+        if tell {
+            self.actions.push_back(ProducerAction::Send(Msg::Error {
+                request: self.rid.clone(),
+                failed,
+                cause: e.to_string(),
+                kind: e.failure_kind(),
+                peer: e.failure_peer(),
+            }));
+        }
+        self.actions.push_back(ProducerAction::Failed(e));
+    }
+
+    /// A message for this request arrived.
+    pub fn handle_msg(&mut self, _now: Instant, msg: Msg) {
+        if self.terminal() {
+            self.stale += 1;
+            return;
+        }
+        match (self.state, msg) {
+            (ProducerState::Offered, Msg::StageReserve { grants, .. }) => {
+                self.deadline = None;
+                for (index, t) in self.tensors.iter().enumerate() {
+                    let Some(g) = grants.iter().find(|g| g.tensor == t.name) else {
+                        let e = self.err(Some(&t.name), &"no grant for it in the reservation");
+                        return self.fail(vec![t.name.clone()], e, true);
+                    };
+                    if g.grant.len < t.byte_length {
+                        let e = self.err(
+                            Some(&t.name),
+                            &format!("grant of {} bytes for {} bytes", g.grant.len, t.byte_length),
+                        );
+                        return self.fail(vec![t.name.clone()], e, true);
+                    }
+                    self.grants[index] = Some(g.grant.clone());
+                }
+                self.state = ProducerState::Writing;
+                for (index, t) in self.tensors.iter().enumerate() {
+                    self.in_flight[index] = true;
+                    self.actions.push_back(ProducerAction::Write {
+                        index,
+                        tensor: t.name.clone(),
+                        grant: self.grants[index].clone().expect("granted above"),
+                    });
+                }
+            }
+            (ProducerState::Offered, Msg::Refuse { cause, kind, .. }) => {
+                // What made the consumer refuse (a full pool, ...), else a plain refusal.
+                let kind = match kind {
+                    FailureKind::Other => FailureKind::Refused,
+                    k => k,
+                };
+                let e = self.err(
+                    None,
+                    &Classified::new(kind, format!("consumer refused: {cause}")),
+                );
+                self.fail(vec![], e, false);
+            }
+            (ProducerState::Writing, m @ (Msg::Refuse { .. } | Msg::Error { .. })) => {
+                // The consumer withdrew (its grants are revoked or about to be): the writes
+                // in flight may land or fail, but no packet may announce them.
+                if self.withdrawn.is_none() {
+                    let e = match m {
+                        Msg::Refuse { cause, kind, .. } => self.err(
+                            None,
+                            &Classified::new(kind, format!("consumer withdrew: {cause}")),
+                        ),
+                        other => bad_reply(self.kind, &self.rid, other),
+                    };
+                    self.withdrawn = Some(e);
+                }
+                self.settle();
+            }
+            (_, other) => {
+                let e = self.err(None, &format!("unexpected {} message", other.name()));
+                self.fail(vec![], e, true);
+            }
+        }
+    }
+
+    /// The deadline passed without a reservation.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.deadline {
+            Some(d) if now >= d && self.state == ProducerState::Offered => {
+                let e = self.err(
+                    None,
+                    &Classified::new(
+                        FailureKind::TimedOut,
+                        format!("no reservation within {:?} of the offer", self.timeout),
+                    ),
+                );
+                self.fail(vec![], e, true);
+            }
+            _ => {}
+        }
+    }
+
+    /// The control link failed while waiting for the reservation.
+    pub fn link_failed(&mut self, e: HarnessError) {
+        if !self.terminal() {
+            self.fail(vec![], e, false);
+        }
+    }
+
+    /// Tensor `index` is staged: its bytes' digest (the packet declares it).
+    pub fn staged(&mut self, index: usize, digest: Digest128) {
+        if let Some(d) = self.digests.get_mut(index) {
+            *d = Some(digest);
+        }
+    }
+
+    /// Staging tensor `index` failed before its write was issued.
+    pub fn stage_failed(&mut self, index: usize, e: HarnessError) {
+        self.write_failed(Some(index), e);
+    }
+
+    /// The write of tensor `index` completed.
+    pub fn write_completed(&mut self, index: usize) {
+        if self.state != ProducerState::Writing
+            || !self.in_flight.get(index).copied().unwrap_or(false)
+        {
+            self.stale += 1;
+            return;
+        }
+        self.in_flight[index] = false;
+        self.written[index] = true;
+        self.settle();
+    }
+
+    /// A write failed (a revoked grant, a dead peer, ...): `index`, the tensor it names,
+    /// if the failure names one.
+    pub fn write_failed(&mut self, index: Option<usize>, e: HarnessError) {
+        if self.state != ProducerState::Writing {
+            self.stale += 1;
+            return;
+        }
+        let name = index
+            .and_then(|i| self.tensors.get(i))
+            .map(|t| t.name.clone());
+        // The consumer must hear now; the rest of the batch is the driver's to cancel.
+        self.in_flight.iter_mut().for_each(|f| *f = false);
+        self.fail(name.into_iter().collect(), e, true);
+    }
+
+    /// Announces the packet once no write is in flight and every tensor landed.
+    fn settle(&mut self) {
+        if self.state != ProducerState::Writing || self.in_flight.iter().any(|&f| f) {
+            return;
+        }
+        if let Some(e) = self.withdrawn.take() {
+            return self.fail(vec![], e, false);
+        }
+        if !self.written.iter().all(|&w| w) {
+            return;
+        }
+        let mut entries = Vec::with_capacity(self.tensors.len());
+        for (i, t) in self.tensors.iter().enumerate() {
+            let Some(digest) = self.digests[i] else {
+                let e = self.err(Some(&t.name), &"written but never staged (no digest)");
+                return self.fail(vec![t.name.clone()], e, true);
+            };
+            let g = self.grants[i].as_ref().expect("granted before writing");
+            entries.push(TensorEntry {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                byte_length: t.byte_length,
+                digest,
+                transfer_key: Some(omnirig_fixtures::packet::TransferKey::Text(format!(
+                    "{}/{}@{}",
+                    g.segment, g.buffer, g.offset
+                ))),
+            });
+        }
+        let packet = Packet::new(&self.rid, self.kind, 0, true, entries);
+        let bytes = match &self.sidecar_override {
+            Some(f) => (f.0)(packet),
+            None => match packet.to_msgpack() {
+                Ok(b) => b,
+                Err(e) => {
+                    let e = self.err(None, &e);
+                    return self.fail(vec![], e, true);
+                }
+            },
+        };
+        self.state = ProducerState::Announced;
+        self.actions.push_back(ProducerAction::Send(Msg::Packet {
+            request: self.rid.clone(),
+            packet: bytes,
+        }));
+        self.actions.push_back(ProducerAction::Done);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use omnirig_fixtures::{DType, ValueRange};
+
+    const TIMEOUT: Duration = Duration::from_secs(5);
+
+    fn tensors() -> Vec<TensorSpec> {
+        vec![
+            TensorSpec::new(
+                "codes.audio",
+                DType::I64,
+                vec![4, 16],
+                ValueRange::Below(2048),
+            )
+            .expect("valid spec"),
+            TensorSpec::new("embed.tts_pad", DType::BF16, vec![1, 8], ValueRange::Any)
+                .expect("valid spec"),
+        ]
+    }
+
+    fn grant(offset: u64, len: u64) -> Grant {
+        Grant {
+            segment: "code2wav".into(),
+            buffer: 1,
+            offset,
+            len,
+            epoch: 1,
+            token: 7 + offset,
+            access: omnirig_transports::Access::Write,
+            keys: vec![],
+        }
+    }
+
+    /// Both ends of one hop and a clock that moves only when told.
+    struct Pair {
+        now: Instant,
+        consumer: PacketConsumer,
+        producer: PacketProducer,
+        /// Consumer -> producer messages, not yet delivered.
+        to_producer: Vec<Msg>,
+        to_consumer: Vec<Msg>,
+        revoked: Vec<Grant>,
+        verify: Vec<(usize, String)>,
+        writes: Vec<(usize, Grant)>,
+        consumer_end: Option<std::result::Result<(), HarnessError>>,
+        producer_end: Option<std::result::Result<(), HarnessError>>,
+    }
+
+    fn digest_of(i: usize) -> Digest128 {
+        Digest128(0x1000 + i as u128)
+    }
+
+    impl Pair {
+        fn new() -> Self {
+            let now = Instant::now();
+            let rid = "r1";
+            let kind = PayloadKind::TalkerToCode2wav;
+            Self {
+                now,
+                consumer: PacketConsumer::new(kind, rid, tensors(), TIMEOUT),
+                producer: PacketProducer::new(now, kind, rid, tensors(), TIMEOUT),
+                to_producer: vec![],
+                to_consumer: vec![],
+                revoked: vec![],
+                verify: vec![],
+                writes: vec![],
+                consumer_end: None,
+                producer_end: None,
+            }
+        }
+
+        /// Carries out what both machines asked for, except delivering messages and
+        /// completing writes (the tests order those by hand).
+        fn pump(&mut self) {
+            while let Some(a) = self.producer.poll_action() {
+                match a {
+                    ProducerAction::Send(m) => self.to_consumer.push(m),
+                    ProducerAction::Write { index, grant, .. } => {
+                        self.producer.staged(index, digest_of(index));
+                        self.writes.push((index, grant));
+                    }
+                    ProducerAction::Done => self.producer_end = Some(Ok(())),
+                    ProducerAction::Failed(e) => self.producer_end = Some(Err(e)),
+                }
+            }
+            while let Some(a) = self.consumer.poll_action() {
+                match a {
+                    ConsumerAction::Reserve => {
+                        let made: Vec<Grant> = tensors()
+                            .iter()
+                            .enumerate()
+                            .map(|(i, t)| grant(i as u64 * 4096, t.byte_length))
+                            .collect();
+                        let offsets = made.iter().map(|g| g.offset).collect();
+                        self.consumer.granted(self.now, made.clone(), made, offsets);
+                    }
+                    ConsumerAction::Send(m) => self.to_producer.push(m),
+                    ConsumerAction::Revoke(g) => self.revoked.extend(g),
+                    ConsumerAction::Verify { index, tensor, .. } => {
+                        self.verify.push((index, tensor))
+                    }
+                    ConsumerAction::Done => self.consumer_end = Some(Ok(())),
+                    ConsumerAction::Failed(e) => self.consumer_end = Some(Err(e)),
+                }
+            }
+        }
+
+        /// Delivers every queued message, both ways, once.
+        fn deliver(&mut self) {
+            for m in std::mem::take(&mut self.to_consumer) {
+                self.consumer.handle_msg(self.now, m);
+            }
+            for m in std::mem::take(&mut self.to_producer) {
+                self.producer.handle_msg(self.now, m);
+            }
+            self.pump();
+        }
+
+        /// Offer -> reservation -> writes issued (not completed).
+        fn run_until_writing(&mut self) {
+            self.pump();
+            self.deliver(); // offer -> consumer reserves and grants
+            self.deliver(); // reservation -> producer writes
+            assert_eq!(self.producer.state(), ProducerState::Writing);
+            assert_eq!(self.writes.len(), 2);
+        }
+
+        fn complete_writes(&mut self) {
+            for (i, _) in std::mem::take(&mut self.writes) {
+                self.producer.write_completed(i);
+            }
+            self.pump();
+        }
+
+        fn verify_all(&mut self) {
+            for (i, _) in std::mem::take(&mut self.verify) {
+                self.consumer.verified(self.now, i, Ok(digest_of(i)));
+            }
+            self.pump();
+        }
+
+        fn consumer_error(&self) -> &HarnessError {
+            match &self.consumer_end {
+                Some(Err(e)) => e,
+                other => panic!("consumer did not fail: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_clean_handoff_fences_then_verifies_every_tensor() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        assert!(
+            p.revoked.is_empty(),
+            "nothing revoked while writes may land"
+        );
+        p.complete_writes();
+        assert_eq!(p.producer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        p.deliver();
+        // The fence comes with the packet: both grants revoked before any verification.
+        assert_eq!(p.revoked.len(), 2);
+        let names: Vec<_> = p.verify.iter().map(|v| v.1.as_str()).collect();
+        assert_eq!(names, ["codes.audio", "embed.tts_pad"]);
+        assert_eq!(p.consumer.state(), ConsumerState::Verifying);
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        assert!(p.consumer.times().handoff() >= p.consumer.times().transfer());
+    }
+
+    #[test]
+    fn landed_bytes_that_differ_from_the_packet_fail_corrupt_naming_the_tensor() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        p.complete_writes();
+        p.deliver();
+        p.consumer.verified(p.now, 1, Ok(Digest128(1)));
+        p.pump();
+        let e = p.consumer_error();
+        assert_eq!(e.failure_kind(), FailureKind::Corrupt);
+        let text = e.to_string();
+        assert!(
+            text.contains("embed.tts_pad") && text.contains("r1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_grant_after_the_timeout_is_never_written() {
+        let mut p = Pair::new();
+        p.pump();
+        p.deliver(); // offer reaches the consumer, which reserves and grants ...
+        assert_eq!(p.to_producer.len(), 1);
+        // ... but the reservation reaches the producer only after its deadline.
+        p.now += TIMEOUT + Duration::from_millis(1);
+        let due = p
+            .producer
+            .poll_timeout()
+            .expect("the offer's deadline runs");
+        assert!(p.now >= due);
+        p.producer.handle_timeout(p.now);
+        p.pump();
+        let e = match &p.producer_end {
+            Some(Err(e)) => e,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(e.failure_kind(), FailureKind::TimedOut);
+        // The producer said so (ERROR), so the consumer need not wait out its own deadline.
+        let producer_error_sent = p.to_consumer.iter().any(|m| matches!(m, Msg::Error { .. }));
+        assert!(producer_error_sent);
+        p.deliver();
+        assert!(
+            p.writes.is_empty(),
+            "a grant that came too late was written into"
+        );
+        assert_eq!(
+            p.producer.stale(),
+            1,
+            "the late reservation is counted as stale"
+        );
+        // The consumer ends with the producer's error and revokes what it granted.
+        assert_eq!(p.consumer_error().failure_kind(), FailureKind::TimedOut);
+        assert_eq!(p.revoked.len(), 2);
+    }
+
+    #[test]
+    fn the_consumer_times_out_revokes_and_ignores_a_late_packet() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        p.now += TIMEOUT;
+        p.consumer.handle_timeout(p.now);
+        p.pump();
+        assert_eq!(p.consumer_error().failure_kind(), FailureKind::TimedOut);
+        assert_eq!(p.revoked.len(), 2, "both grants revoked at the timeout");
+        p.complete_writes();
+        p.deliver(); // the packet arrives late
+        assert!(p.verify.is_empty(), "a late packet must not be verified");
+        assert_eq!(p.consumer.stale(), 1);
+        assert_eq!(p.consumer.state(), ConsumerState::Failed);
+    }
+
+    #[test]
+    fn a_duplicate_packet_is_ignored_after_the_handoff() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        p.complete_writes();
+        let dup = p.to_consumer.clone();
+        p.deliver();
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        let revoked = p.revoked.len();
+        p.to_consumer = dup;
+        p.deliver();
+        assert_eq!(p.consumer.stale(), 1);
+        assert!(
+            p.verify.is_empty(),
+            "a duplicate packet started a second verification"
+        );
+        assert_eq!(p.revoked.len(), revoked);
+        assert_eq!(p.consumer.state(), ConsumerState::Done);
+    }
+
+    #[test]
+    fn a_duplicate_packet_while_verifying_fails_the_handoff() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        p.complete_writes();
+        let dup = p.to_consumer.clone();
+        p.deliver();
+        p.to_consumer = dup;
+        p.deliver();
+        let text = p.consumer_error().to_string();
+        assert!(text.contains("unexpected packet"), "{text}");
+    }
+
+    #[test]
+    fn no_packet_is_announced_before_the_last_write_completes() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        let (first, _) = p.writes.remove(0);
+        p.producer.write_completed(first);
+        p.pump();
+        assert!(
+            p.to_consumer.is_empty(),
+            "packet announced with a write in flight"
+        );
+        assert_eq!(p.producer.state(), ProducerState::Writing);
+        // A completion reported twice is not the other write's.
+        p.producer.write_completed(first);
+        p.pump();
+        assert!(p.to_consumer.is_empty());
+        assert_eq!(p.producer.stale(), 1);
+        p.complete_writes();
+        assert!(matches!(p.to_consumer.as_slice(), [Msg::Packet { .. }]));
+    }
+
+    #[test]
+    fn a_grant_revoked_while_a_write_is_in_flight_ends_in_error_not_packet() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        // The consumer times out with both writes in flight and revokes its grants.
+        p.now += TIMEOUT;
+        p.consumer.handle_timeout(p.now);
+        p.pump();
+        assert_eq!(p.revoked.len(), 2);
+        // The engine refuses the second write into the revoked grant; the first landed.
+        let (a, _) = p.writes.remove(0);
+        let (b, _) = p.writes.remove(0);
+        p.producer.write_completed(a);
+        let revoked = omnirig_transports::Error::new(
+            omnirig_transports::ErrorKind::GrantRevoked,
+            "grant revoked",
+        );
+        let e = HarnessError::handoff(
+            PayloadKind::TalkerToCode2wav,
+            "r1",
+            Some("embed.tts_pad"),
+            &revoked,
+        );
+        p.producer.write_failed(Some(b), e);
+        p.pump();
+        match p.to_consumer.as_slice() {
+            [Msg::Error { failed, kind, .. }] => {
+                assert_eq!(failed, &["embed.tts_pad".to_string()]);
+                assert_eq!(*kind, FailureKind::GrantRefused);
+            }
+            other => panic!("expected one ERROR, got {other:?}"),
+        }
+        assert!(
+            matches!(&p.producer_end, Some(Err(e)) if e.failure_kind() == FailureKind::GrantRefused)
+        );
+    }
+
+    #[test]
+    fn a_consumer_that_withdraws_mid_write_gets_no_packet() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        p.producer.handle_msg(
+            p.now,
+            Msg::Refuse {
+                request: "r1".into(),
+                cause: "shutting down".into(),
+                kind: FailureKind::Refused,
+            },
+        );
+        p.pump();
+        assert!(
+            p.producer_end.is_none(),
+            "ended with writes still in flight"
+        );
+        p.complete_writes();
+        assert!(
+            p.to_consumer.is_empty(),
+            "a packet announced writes the consumer withdrew from"
+        );
+        assert!(
+            matches!(&p.producer_end, Some(Err(e)) if e.failure_kind() == FailureKind::Refused)
+        );
+    }
+
+    #[test]
+    fn a_packet_for_another_request_is_a_bad_sidecar_and_still_fences() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        p.producer = PacketProducer::new(
+            p.now,
+            PayloadKind::TalkerToCode2wav,
+            "other",
+            tensors(),
+            TIMEOUT,
+        );
+        p.pump();
+        p.to_consumer.clear();
+        let grants = tensors()
+            .iter()
+            .enumerate()
+            .map(|(i, t)| NamedGrant {
+                tensor: t.name.clone(),
+                grant: grant(i as u64 * 4096, t.byte_length),
+            })
+            .collect();
+        p.producer.handle_msg(
+            p.now,
+            Msg::StageReserve {
+                request: "other".into(),
+                grants,
+            },
+        );
+        p.pump();
+        p.complete_writes();
+        p.deliver();
+        assert_eq!(p.consumer_error().failure_kind(), FailureKind::BadSidecar);
+        assert_eq!(p.revoked.len(), 2);
+    }
+
+    #[test]
+    fn a_short_grant_is_refused_before_any_write() {
+        let mut p = Pair::new();
+        p.pump();
+        p.to_consumer.clear();
+        let grants = vec![
+            NamedGrant {
+                tensor: "codes.audio".into(),
+                grant: grant(0, 1),
+            },
+            NamedGrant {
+                tensor: "embed.tts_pad".into(),
+                grant: grant(4096, 16),
+            },
+        ];
+        p.producer.handle_msg(
+            p.now,
+            Msg::StageReserve {
+                request: "r1".into(),
+                grants,
+            },
+        );
+        p.pump();
+        assert!(p.writes.is_empty());
+        assert!(
+            matches!(p.to_consumer.as_slice(), [Msg::Error { failed, .. }] if failed == &["codes.audio".to_string()])
+        );
+    }
+}
