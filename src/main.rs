@@ -33,6 +33,9 @@ enum Cmd {
     Run(cli::run::RunArgs),
     /// Plots (PNG and SVG) from benchmark results and run reports; markdown tables of the results.
     Report(cli::report::ReportArgs),
+    /// A metadata store for clusters, speaking Mooncake's HTTP metadata protocol
+    /// (GET / PUT / DELETE on /metadata?key=).
+    MetadataServer(cli::metadata::MetadataServerArgs),
     /// One stage as its own process (started by `run --processes`).
     #[command(hide = true)]
     Stage(cli::stage::StageArgs),
@@ -61,5 +64,6 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run(args) => cli::run::run(args),
         Cmd::Report(args) => cli::report::run(args),
         Cmd::Stage(args) => cli::stage::run(args),
+        Cmd::MetadataServer(args) => cli::metadata::run(args),
     }
 }

@@ -1,5 +1,6 @@
 pub mod bench;
 pub mod fixtures;
+pub mod metadata;
 pub mod report;
 pub mod run;
 pub mod stage;

@@ -1,10 +1,14 @@
 //! Metadata: how engines find each other's segment descriptors.
 //!
-//! A store is a trait so HTTP and etcd backends can come later; the embedded in-process store
-//! is the default. Without any store, [`crate::Engine::connect_addr`] asks the peer itself.
+//! A store is a trait; the embedded in-process store is the default, [`http::HttpStore`]
+//! speaks Mooncake's HTTP metadata protocol and [`etcd::EtcdStore`] uses an etcd v3 cluster.
+//! Without any store, [`crate::Engine::connect_addr`] asks the peer itself.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+
+pub mod etcd;
+pub mod http;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::segment::SegmentDescriptor;
