@@ -20,6 +20,9 @@ pub struct StageArgs {
     /// The outbound hop's transport (one that crosses processes).
     #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
     out_transport: TransportKind,
+    /// The address its control listener and engines listen on (a cluster node's address).
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: std::net::IpAddr,
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
@@ -33,6 +36,7 @@ pub fn run(args: StageArgs) -> anyhow::Result<()> {
         args.orchestrator,
         args.in_transport,
         args.out_transport,
+        args.bind,
     ))?;
     Ok(())
 }
