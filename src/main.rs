@@ -36,6 +36,10 @@ enum Cmd {
     /// A metadata store for clusters, speaking Mooncake's HTTP metadata protocol
     /// (GET / PUT / DELETE on /metadata?key=).
     MetadataServer(cli::metadata::MetadataServerArgs),
+    /// The node agent of the hardware-in-the-loop mode: starts stage processes for the
+    /// coordinator (`omnirig run --cluster`, `cargo test --features hil`).
+    #[cfg(feature = "hil")]
+    Agent(cli::agent::AgentArgs),
     /// One stage as its own process (started by `run --processes`).
     #[command(hide = true)]
     Stage(cli::stage::StageArgs),
@@ -65,5 +69,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Report(args) => cli::report::run(args),
         Cmd::Stage(args) => cli::stage::run(args),
         Cmd::MetadataServer(args) => cli::metadata::run(args),
+        #[cfg(feature = "hil")]
+        Cmd::Agent(args) => cli::agent::run(args),
     }
 }

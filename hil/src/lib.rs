@@ -13,7 +13,7 @@ pub mod cluster;
 pub mod launcher;
 
 pub use cluster::{Cluster, MetadataConfig, Node, Reach};
-pub use launcher::ClusterLauncher;
+pub use launcher::{ClusterLauncher, StartedAgents, start_agents};
 
 /// The crate's one error type.
 #[derive(Debug, thiserror::Error)]

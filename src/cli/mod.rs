@@ -1,3 +1,5 @@
+#[cfg(feature = "hil")]
+pub mod agent;
 pub mod bench;
 pub mod fixtures;
 pub mod metadata;
