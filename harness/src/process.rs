@@ -136,6 +136,11 @@ pub trait StageLauncher: Send + Sync {
     fn bind_host(&self, stage: Stage) -> std::net::IpAddr;
     /// The node `stage` runs on, named in errors (None on this host).
     fn node(&self, stage: Stage) -> Option<String>;
+    /// The metadata store stage engines publish to and find each other through
+    /// ([`omnirig_transports::metadata::open_store`]'s spec); None: peer-to-peer.
+    fn metadata(&self) -> Option<String> {
+        None
+    }
     /// Starts `omnirig stage ARGS` for `stage` with `env` added to its environment.
     fn launch<'a>(
         &'a self,
@@ -336,6 +341,10 @@ impl Remote {
                 "--bind".into(),
                 launcher.bind_host(stage).to_string(),
             ];
+            let mut args = args;
+            if let Some(spec) = launcher.metadata() {
+                args.extend(["--metadata".into(), spec]);
+            }
             let env = vec![(RUN_SECRET_ENV.to_owned(), secret.clone())];
             children.push(launcher.launch(stage, args, env).await?);
         }
@@ -591,6 +600,7 @@ pub async fn run_stage_process(
     in_transport: TransportKind,
     out_transport: TransportKind,
     bind: std::net::IpAddr,
+    metadata: Option<&str>,
 ) -> Result<()> {
     for t in [in_transport, out_transport] {
         if !t.crosses_processes() {
@@ -605,11 +615,27 @@ pub async fn run_stage_process(
             "{RUN_SECRET_ENV} is not set: stage processes are started by `omnirig run --processes`"
         ))
     })?;
-    let store = InProcessStore::new();
+    // With a shared store, engines are named by run (the orchestrator's address is unique per
+    // run) and stage, so the upstream finds its downstream by name; without, peer-to-peer.
+    let shared = match metadata {
+        Some(spec) => omnirig_transports::metadata::open_store(spec)?,
+        None => None,
+    };
+    let run_tag: String = orchestrator
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let name = |st: Stage, side: &str| match &shared {
+        Some(_) => format!("run{run_tag}-{st}-{side}"),
+        None => format!("p{}-{st}-{side}", std::process::id()),
+    };
+    let store: Arc<dyn omnirig_transports::MetadataStore> = match &shared {
+        Some(s) => s.clone(),
+        None => InProcessStore::new(),
+    };
     let engine = |side: &str, transport: TransportKind| {
-        let c =
-            EngineConfig::for_kind(format!("p{}-{stage}-{side}", std::process::id()), transport)
-                .store(store.clone());
+        let c = EngineConfig::for_kind(name(stage, side), transport).store(store.clone());
         // Peers on other nodes reach the engine on the node's address, not on 127.0.0.1.
         if bind.is_loopback() {
             c
@@ -669,8 +695,15 @@ pub async fn run_stage_process(
             link.send(Msg::Peer {
                 stage: stage.as_str().into(),
             })?;
-            e.connect_addr(parse(&down_engine, "engine address")?)
-                .await?;
+            match (&shared, outbound_kind(stage)) {
+                (Some(_), Some(k)) => {
+                    e.connect(&name(k.target(), "in")).await?;
+                }
+                _ => {
+                    e.connect_addr(parse(&down_engine, "engine address")?)
+                        .await?;
+                }
+            }
             Some(HopEnd {
                 engine: e.clone(),
                 link,
@@ -722,6 +755,16 @@ pub async fn run_stage_process(
                 orch.send(Msg::Bye { usage })?;
                 // Wait for the orchestrator's second Shutdown (or hang-up), so the Bye is flushed.
                 let _ = orch.recv("", SETUP_TIMEOUT).await;
+                // A shared store's entries go before the process does (the engines' own
+                // removal on drop runs in the background and would die with the runtime).
+                if let Some(store) = &shared {
+                    for e in [&engine_in, &engine_out].into_iter().flatten() {
+                        let d = e.descriptor();
+                        if let Err(err) = store.remove(&d.name, d.instance).await {
+                            tracing::warn!(engine = %d.name, error = %err, "removing the metadata entry failed");
+                        }
+                    }
+                }
                 return Ok(());
             }
             other => return Err(setup(format!("unexpected {}", other.name()))),

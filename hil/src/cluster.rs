@@ -66,6 +66,20 @@ pub enum MetadataConfig {
     },
 }
 
+impl MetadataConfig {
+    /// The store spec stage processes take (`--metadata`); None for peer-to-peer.
+    pub fn spec(&self) -> Option<String> {
+        match self {
+            MetadataConfig::P2p => None,
+            MetadataConfig::Http { url } => Some(url.clone()),
+            MetadataConfig::Etcd { url, ttl_s } => Some(format!(
+                "etcd://{}?ttl_s={ttl_s}",
+                url.trim_start_matches("http://").trim_end_matches('/')
+            )),
+        }
+    }
+}
+
 fn default_ttl() -> u64 {
     10
 }

@@ -38,6 +38,10 @@ impl StageLauncher for ClusterLauncher {
         Some(self.cluster.node_of(stage).name.clone())
     }
 
+    fn metadata(&self) -> Option<String> {
+        self.cluster.metadata.spec()
+    }
+
     fn launch<'a>(
         &'a self,
         stage: Stage,

@@ -23,6 +23,10 @@ pub struct StageArgs {
     /// The address its control listener and engines listen on (a cluster node's address).
     #[arg(long, default_value = "127.0.0.1")]
     bind: std::net::IpAddr,
+    /// The metadata store its engines publish to and find peers through (http://host:port or
+    /// etcd://host:port[?ttl_s=N]); default: peer-to-peer.
+    #[arg(long)]
+    metadata: Option<String>,
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
@@ -37,6 +41,7 @@ pub fn run(args: StageArgs) -> anyhow::Result<()> {
         args.in_transport,
         args.out_transport,
         args.bind,
+        args.metadata.as_deref(),
     ))?;
     Ok(())
 }

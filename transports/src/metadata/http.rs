@@ -560,13 +560,17 @@ async fn serve_conn(mut s: TcpStream, from: SocketAddr, map: Map) {
         }
     })
     .await;
+    let mut line = String::new();
     let (status, reply): (u16, Vec<u8>) = match read {
         Err(_) => return,
         Ok(Ok(None)) => return,
         Ok(Err(e)) => (400, format!("bad request: {e}").into_bytes()),
-        Ok(Ok(Some((h, body)))) => handle(&h.first, body, &map),
+        Ok(Ok(Some((h, body)))) => {
+            line = h.first.chars().take(300).collect();
+            handle(&h.first, body, &map)
+        }
     };
-    debug!(%from, status, "metadata request");
+    debug!(%from, status, request = %line, "metadata request");
     let reason = match status {
         200 => "OK",
         400 => "Bad Request",
