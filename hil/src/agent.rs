@@ -124,8 +124,21 @@ impl Agent {
 
     async fn serve_one(&self, mut s: TcpStream, from: SocketAddr) -> Result<()> {
         let mut got = [0u8; PREFACE_LEN];
-        match tokio::time::timeout(PREFACE_TIMEOUT, s.read_exact(&mut got)).await {
-            Ok(Ok(_)) if same(&got, &preface(&self.secret)) => {}
+        let read = tokio::time::timeout(PREFACE_TIMEOUT, async {
+            let mut n = 0;
+            while n < PREFACE_LEN {
+                match s.read(&mut got[n..]).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => n += k,
+                }
+            }
+            n
+        })
+        .await;
+        match read {
+            // A probe (the coordinator checking the port is up) says nothing: not an error.
+            Ok(0) => return Ok(()),
+            Ok(PREFACE_LEN) if same(&got, &preface(&self.secret)) => {}
             _ => {
                 return Err(HilError::Serve(format!(
                     "{from}: no valid preface with the cluster's secret; dropped"
@@ -244,7 +257,11 @@ impl AgentChild {
         let (mut r, mut w) = s.into_split();
         write_frame(&mut w, &ToAgent::Start { args, env })
             .await
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| {
+                fail(format!(
+                    "the agent dropped the connection (wrong secret?): {e}"
+                ))
+            })?;
         let pid =
             match tokio::time::timeout(Duration::from_secs(30), read_frame::<_, FromAgent>(&mut r))
                 .await
