@@ -40,6 +40,10 @@ enum Cmd {
     /// coordinator (`omnirig run --cluster`, `cargo test --features hil`).
     #[cfg(feature = "hil")]
     Agent(cli::agent::AgentArgs),
+    /// Evidence for a cluster: host facts per node, per-hop measurements per path, and why
+    /// any path could not run (evidence.json, evidence.md, the run's report page).
+    #[cfg(feature = "hil")]
+    Evidence(cli::evidence::EvidenceArgs),
     /// One stage as its own process (started by `run --processes`).
     #[command(hide = true)]
     Stage(cli::stage::StageArgs),
@@ -71,5 +75,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::MetadataServer(args) => cli::metadata::run(args),
         #[cfg(feature = "hil")]
         Cmd::Agent(args) => cli::agent::run(args),
+        #[cfg(feature = "hil")]
+        Cmd::Evidence(args) => cli::evidence::run(args),
     }
 }

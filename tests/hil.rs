@@ -190,3 +190,88 @@ async fn a_node_that_dies_mid_run_fails_its_requests_naming_it() {
     }
     println!("{}", r.summary_text());
 }
+
+/// `omnirig evidence` on two local agents: every node's facts (or why each probe could not
+/// run), the TCP path measured per hop and passed, and every path it cannot run says why.
+#[test]
+fn evidence_collects_facts_measures_tcp_and_says_why_for_the_rest() {
+    let secret = "evidence-test-secret-01";
+    let (pa, pb) = (free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("omnirig-evidence-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cluster = dir.join("cluster.yaml");
+    std::fs::write(
+        &cluster,
+        format!(
+            "name: ev-local\nsecret: {secret}\ncoordinator: {{address: 127.0.0.1}}\nnodes:\n  \
+             - {{name: node-a, host: 127.0.0.1, agent_port: {pa}, stages: [encoder, thinker_prefill, thinker_decode]}}\n  \
+             - {{name: node-b, host: 127.0.0.1, agent_port: {pb}, netdev: lo, stages: [talker, code2wav]}}\n"
+        ),
+    )
+    .unwrap();
+    let scenario = dir.join("scenario.yaml");
+    std::fs::write(&scenario, "name: ev\nrequests:\n  - case: text_short\n").unwrap();
+    let (_a, _b) = (Node::start(pa, secret), Node::start(pb, secret));
+    let out = dir.join("out");
+    let st = Command::new(EXE)
+        .args(["evidence", "--cluster"])
+        .arg(&cluster)
+        .arg("--out")
+        .arg(&out)
+        .arg("--scenario")
+        .arg(&scenario)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let ev: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("evidence.json")).unwrap()).unwrap();
+    let nodes = ev["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 2);
+    for n in nodes {
+        let probes = n["facts"]["probes"]
+            .as_array()
+            .expect("facts from the agent");
+        assert!(!probes.is_empty());
+        for p in probes {
+            // Each probe has output, or says why not.
+            assert!(p["output"].is_string() || p["why_not"].is_string(), "{p}");
+        }
+        let kernel = probes.iter().find(|p| p["name"] == "kernel").unwrap();
+        assert!(
+            kernel["output"].as_str().unwrap().starts_with("Linux"),
+            "{kernel}"
+        );
+    }
+    let paths = ev["paths"].as_array().unwrap();
+    let tcp = &paths[0];
+    assert_eq!(
+        (tcp["ran"].as_bool(), tcp["passed"].as_bool()),
+        (Some(true), Some(true))
+    );
+    // text_short has no encoder hop: the other three, each measured over tcp.
+    let hops = tcp["hops"].as_array().unwrap();
+    assert_eq!(hops.len(), 3, "{tcp}");
+    for h in hops {
+        assert_eq!(h["transport"], "tcp", "{h}");
+        assert!(
+            h["requests"].as_u64() > Some(0) && h["transfer_ms_p50"].as_f64() > Some(0.0),
+            "{h}"
+        );
+    }
+    for p in paths
+        .iter()
+        .skip(1)
+        .chain(ev["baselines"].as_array().unwrap())
+    {
+        assert_eq!(p["ran"], false, "{p}");
+        assert!(p["why_not"].as_str().is_some_and(|w| !w.is_empty()), "{p}");
+    }
+    let md = std::fs::read_to_string(out.join("evidence.md")).unwrap();
+    assert!(
+        md.contains("| node-a | 127.0.0.1 |") && md.contains("passed, bit-exact"),
+        "{md}"
+    );
+    assert!(out.join("tcp/report.json").is_file() && out.join("tcp/index.html").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -28,8 +28,10 @@ use crate::{HilError, Result};
 pub const MAGIC: &[u8; 8] = b"OMNIAGT1";
 const PREFACE_LEN: usize = 8 + 1 + MAX_SECRET;
 pub const PREFACE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Largest frame either side decodes.
+/// Largest frame the agent decodes (a coordinator's request).
 pub const MAX_FRAME: usize = 64 << 10;
+/// Largest frame the coordinator decodes (an agent's reply: facts carry command output).
+pub const MAX_REPLY: usize = 8 << 20;
 /// Most arguments a start request may carry.
 const MAX_ARGS: usize = 64;
 /// The only variables a coordinator may set in a stage's environment.
@@ -43,6 +45,8 @@ pub enum ToAgent {
         env: Vec<(String, String)>,
     },
     Kill,
+    /// This node's facts for the evidence report (`omnirig evidence`).
+    Facts,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -51,6 +55,7 @@ pub enum FromAgent {
     Started { pid: u32 },
     Exited { status: String },
     Refused { reason: String },
+    Facts { facts: crate::evidence::HostFacts },
 }
 
 fn preface(secret: &str) -> Vec<u8> {
@@ -80,13 +85,24 @@ async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
 async fn read_frame<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(
     r: &mut R,
 ) -> std::io::Result<T> {
+    read_bounded(r, MAX_FRAME).await
+}
+
+async fn read_reply<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<FromAgent> {
+    read_bounded(r, MAX_REPLY).await
+}
+
+async fn read_bounded<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(
+    r: &mut R,
+    limit: usize,
+) -> std::io::Result<T> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_FRAME {
+    if len > limit {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes, limit {MAX_FRAME}"),
+            format!("frame of {len} bytes, limit {limit}"),
         ));
     }
     let mut body = vec![0u8; len];
@@ -149,6 +165,11 @@ impl Agent {
         let (args, env) = match read_frame::<_, ToAgent>(&mut r).await? {
             ToAgent::Start { args, env } => (args, env),
             ToAgent::Kill => return Ok(()),
+            ToAgent::Facts => {
+                let facts = crate::evidence::collect().await;
+                write_frame(&mut w, &FromAgent::Facts { facts }).await?;
+                return Ok(());
+            }
         };
         if let Err(reason) = check_start(&args, &env) {
             let _ = write_frame(
@@ -221,6 +242,41 @@ fn check_start(args: &[String], env: &[(String, String)]) -> std::result::Result
     Ok(())
 }
 
+/// Asks the agent of `node` at `addr` for its host's facts.
+pub async fn collect_facts(
+    node: &str,
+    addr: SocketAddr,
+    secret: &str,
+) -> Result<crate::evidence::HostFacts> {
+    let fail = |reason: String| HilError::Agent {
+        node: node.into(),
+        addr: addr.to_string(),
+        reason,
+    };
+    let mut s = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(addr))
+        .await
+        .map_err(|_| fail("no connection within 10 s".into()))?
+        .map_err(|e| {
+            fail(format!(
+                "cannot connect (is `omnirig agent` running there?): {e}"
+            ))
+        })?;
+    s.write_all(&preface(secret))
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    write_frame(&mut s, &ToAgent::Facts).await.map_err(|e| {
+        fail(format!(
+            "the agent dropped the connection (wrong secret?): {e}"
+        ))
+    })?;
+    match tokio::time::timeout(Duration::from_secs(120), read_reply(&mut s)).await {
+        Ok(Ok(FromAgent::Facts { facts })) => Ok(facts),
+        Ok(Ok(other)) => Err(fail(format!("expected facts, got {other:?}"))),
+        Ok(Err(e)) => Err(fail(format!("no facts (wrong secret?): {e}"))),
+        Err(_) => Err(fail("no facts within 120 s".into())),
+    }
+}
+
 /// The coordinator's handle on one stage process an agent started.
 pub struct AgentChild {
     node: String,
@@ -262,29 +318,26 @@ impl AgentChild {
                     "the agent dropped the connection (wrong secret?): {e}"
                 ))
             })?;
-        let pid =
-            match tokio::time::timeout(Duration::from_secs(30), read_frame::<_, FromAgent>(&mut r))
-                .await
-            {
-                Ok(Ok(FromAgent::Started { pid })) => pid,
-                Ok(Ok(FromAgent::Refused { reason })) => {
-                    return Err(fail(format!("refused: {reason}")));
-                }
-                Ok(Ok(other)) => return Err(fail(format!("expected started, got {other:?}"))),
-                Ok(Err(e)) => {
-                    return Err(fail(format!(
-                        "closed without starting the stage (wrong secret?): {e}"
-                    )));
-                }
-                Err(_) => return Err(fail("no answer within 30 s".into())),
-            };
+        let pid = match tokio::time::timeout(Duration::from_secs(30), read_reply(&mut r)).await {
+            Ok(Ok(FromAgent::Started { pid })) => pid,
+            Ok(Ok(FromAgent::Refused { reason })) => {
+                return Err(fail(format!("refused: {reason}")));
+            }
+            Ok(Ok(other)) => return Err(fail(format!("expected started, got {other:?}"))),
+            Ok(Err(e)) => {
+                return Err(fail(format!(
+                    "closed without starting the stage (wrong secret?): {e}"
+                )));
+            }
+            Err(_) => return Err(fail("no answer within 30 s".into())),
+        };
         let (status_tx, status) = watch::channel(None);
         let (kill, mut kills) = mpsc::unbounded_channel::<ToAgent>();
         let node_name = node.to_owned();
         tokio::spawn(async move {
             let ended = loop {
                 tokio::select! {
-                    m = read_frame::<_, FromAgent>(&mut r) => break match m {
+                    m = read_reply(&mut r) => break match m {
                         Ok(FromAgent::Exited { status }) => status,
                         Ok(other) => format!("agent of node {node_name} sent {other:?}"),
                         Err(e) => format!("lost node {node_name}: its agent's connection ended ({e})"),

@@ -10,6 +10,7 @@
 
 pub mod agent;
 pub mod cluster;
+pub mod evidence;
 pub mod launcher;
 
 pub use cluster::{Cluster, MetadataConfig, Node, Reach};

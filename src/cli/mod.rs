@@ -1,6 +1,8 @@
 #[cfg(feature = "hil")]
 pub mod agent;
 pub mod bench;
+#[cfg(feature = "hil")]
+pub mod evidence;
 pub mod fixtures;
 pub mod metadata;
 pub mod report;
