@@ -146,9 +146,15 @@ pub async fn start_agents(
         }
         started.children.push((node.name.clone(), child));
     }
-    let deadline = tokio::time::Instant::now() + wait;
+    let start = tokio::time::Instant::now();
     for node in &cluster.nodes {
         let addr = SocketAddr::new(node.host, node.agent_port);
+        // A manual node's agent should be up already: a short grace, not the start-up wait.
+        let wait = match node.reach {
+            crate::Reach::Manual => wait.min(std::time::Duration::from_secs(5)),
+            _ => wait,
+        };
+        let deadline = start + wait;
         loop {
             if tokio::net::TcpStream::connect(addr).await.is_ok() {
                 break;
