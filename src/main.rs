@@ -33,6 +33,17 @@ enum Cmd {
     Run(cli::run::RunArgs),
     /// Plots (PNG and SVG) from benchmark results and run reports; markdown tables of the results.
     Report(cli::report::ReportArgs),
+    /// A metadata store for clusters, speaking Mooncake's HTTP metadata protocol
+    /// (GET / PUT / DELETE on /metadata?key=).
+    MetadataServer(cli::metadata::MetadataServerArgs),
+    /// The node agent of the hardware-in-the-loop mode: starts stage processes for the
+    /// coordinator (`omnirig run --cluster`, `cargo test --features hil`).
+    #[cfg(feature = "hil")]
+    Agent(cli::agent::AgentArgs),
+    /// Evidence for a cluster: host facts per node, per-hop measurements per path, and why
+    /// any path could not run (evidence.json, evidence.md, the run's report page).
+    #[cfg(feature = "hil")]
+    Evidence(cli::evidence::EvidenceArgs),
     /// One stage as its own process (started by `run --processes`).
     #[command(hide = true)]
     Stage(cli::stage::StageArgs),
@@ -61,5 +72,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run(args) => cli::run::run(args),
         Cmd::Report(args) => cli::report::run(args),
         Cmd::Stage(args) => cli::stage::run(args),
+        Cmd::MetadataServer(args) => cli::metadata::run(args),
+        #[cfg(feature = "hil")]
+        Cmd::Agent(args) => cli::agent::run(args),
+        #[cfg(feature = "hil")]
+        Cmd::Evidence(args) => cli::evidence::run(args),
     }
 }

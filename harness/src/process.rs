@@ -127,10 +127,113 @@ impl Drop for Gate {
 /// A stage's link, inbound and outbound engine addresses, control address.
 type Hello = (Link, Option<String>, Option<String>, String);
 
+/// Starts stage processes: on this host ([`LocalLauncher`]) or through node agents
+/// (`omnirig-hil`'s cluster launcher).
+pub trait StageLauncher: Send + Sync {
+    /// Where the orchestrator listens for its stages (they dial back to it).
+    fn orchestrator_listen(&self) -> SocketAddr;
+    /// The address `stage` binds its control listener and engines to.
+    fn bind_host(&self, stage: Stage) -> std::net::IpAddr;
+    /// The node `stage` runs on, named in errors (None on this host).
+    fn node(&self, stage: Stage) -> Option<String>;
+    /// The metadata store stage engines publish to and find each other through
+    /// ([`omnirig_transports::metadata::open_store`]'s spec); None: peer-to-peer.
+    fn metadata(&self) -> Option<String> {
+        None
+    }
+    /// Starts `omnirig stage ARGS` for `stage` with `env` added to its environment.
+    fn launch<'a>(
+        &'a self,
+        stage: Stage,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> BoxFuture<'a, Result<Box<dyn StageChild>>>;
+}
+
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// A started stage process, wherever it runs.
+pub trait StageChild: Send {
+    /// Its process id on this host, if it runs here (the stopped-process watchdog reads
+    /// /proc).
+    fn local_pid(&self) -> Option<u32>;
+    /// How it ended, if it has.
+    fn try_wait(&mut self) -> Option<String>;
+    /// Starts killing it (SIGKILL).
+    fn start_kill(&mut self);
+    /// Waits for it to end; how it ended.
+    fn wait(&mut self) -> BoxFuture<'_, String>;
+}
+
+/// Stage processes of `exe` on this host, on 127.0.0.1.
+pub struct LocalLauncher {
+    pub exe: std::path::PathBuf,
+}
+
+impl StageLauncher for LocalLauncher {
+    fn orchestrator_listen(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    }
+
+    fn bind_host(&self, _: Stage) -> std::net::IpAddr {
+        std::net::Ipv4Addr::LOCALHOST.into()
+    }
+
+    fn node(&self, _: Stage) -> Option<String> {
+        None
+    }
+
+    fn launch<'a>(
+        &'a self,
+        stage: Stage,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> BoxFuture<'a, Result<Box<dyn StageChild>>> {
+        Box::pin(async move {
+            let child = Command::new(&self.exe)
+                .args(&args)
+                .envs(env)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .map_err(|e| setup(format!("starting {} {stage}: {e}", self.exe.display())))?;
+            Ok(Box::new(child) as Box<dyn StageChild>)
+        })
+    }
+}
+
+impl StageChild for Child {
+    fn local_pid(&self) -> Option<u32> {
+        self.id()
+    }
+
+    fn try_wait(&mut self) -> Option<String> {
+        Child::try_wait(self).ok().flatten().map(|s| s.to_string())
+    }
+
+    fn start_kill(&mut self) {
+        let _ = Child::start_kill(self);
+    }
+
+    fn wait(&mut self) -> BoxFuture<'_, String> {
+        Box::pin(async move {
+            match Child::wait(self).await {
+                Ok(s) => s.to_string(),
+                Err(e) => format!("waiting for it failed: {e}"),
+            }
+        })
+    }
+}
+
+type Children = Arc<tokio::sync::Mutex<Vec<Box<dyn StageChild>>>>;
+
 /// The orchestrator's handle on five stage processes.
 pub struct Remote {
     links: Vec<(Stage, Link)>,
-    children: Arc<tokio::sync::Mutex<Vec<Child>>>,
+    children: Children,
+    /// The node each stage runs on, when not this host.
+    nodes: Vec<Option<String>>,
     scenario: Scenario,
     /// Set once a stage process died or stopped answering: no new request starts.
     halted: Arc<std::sync::Mutex<Option<(Stage, String)>>>,
@@ -162,7 +265,7 @@ const STOPPED_FOR: Duration = Duration::from_secs(1);
 /// ends every wait on it (its peers', the orchestrator's) now rather than at their deadlines.
 /// Hangs of a running process are caught by the per-request deadline instead.
 fn watchdog(
-    children: Arc<tokio::sync::Mutex<Vec<Child>>>,
+    children: Children,
     halted: Arc<std::sync::Mutex<Option<(Stage, String)>>>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -171,7 +274,7 @@ fn watchdog(
             tokio::time::sleep(Duration::from_millis(200)).await;
             let mut children = children.lock().await;
             for (i, c) in children.iter_mut().enumerate() {
-                let stopped = c.id().is_some_and(is_stopped);
+                let stopped = c.local_pid().is_some_and(is_stopped);
                 since[i] = if stopped {
                     since[i].or(Some(std::time::Instant::now()))
                 } else {
@@ -188,7 +291,7 @@ fn watchdog(
                         *h = Some((stage, why));
                     }
                     drop(h);
-                    let _ = c.start_kill();
+                    c.start_kill();
                     since[i] = None;
                 }
             }
@@ -197,13 +300,25 @@ fn watchdog(
 }
 
 impl Remote {
-    /// Starts the five stage processes of `exe` and wires them up.
+    /// Starts the five stage processes of `exe` on this host and wires them up.
     pub async fn spawn(exe: &Path, scenario: &Scenario) -> Result<Remote> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::spawn_with(
+            &LocalLauncher {
+                exe: exe.to_path_buf(),
+            },
+            scenario,
+        )
+        .await
+    }
+
+    /// Starts the five stage processes through `launcher` and wires them up.
+    pub async fn spawn_with(launcher: &dyn StageLauncher, scenario: &Scenario) -> Result<Remote> {
+        let listener = TcpListener::bind(launcher.orchestrator_listen()).await?;
         let addr = listener.local_addr()?;
         let secret = new_secret()?;
         let mut gate = Gate::new(listener, secret.clone());
         let mut children = Vec::new();
+        let nodes: Vec<Option<String>> = Stage::ALL.iter().map(|&s| launcher.node(s)).collect();
         for stage in Stage::ALL {
             // A stage without that hop still takes the flag; its engine is never built.
             let hop_transport = |k: Option<PayloadKind>| {
@@ -211,24 +326,27 @@ impl Remote {
                     process_transport(scenario.transport_for(k))
                 })
                 .as_str()
+                .to_owned()
             };
-            let child = Command::new(exe)
-                .arg("stage")
-                .arg("--stage")
-                .arg(stage.as_str())
-                .arg("--orchestrator")
-                .arg(addr.to_string())
-                .arg("--in-transport")
-                .arg(hop_transport(inbound_kind(stage)))
-                .arg("--out-transport")
-                .arg(hop_transport(outbound_kind(stage)))
-                .env(RUN_SECRET_ENV, &secret)
-                .stdin(std::process::Stdio::null())
-                .stdout(std::process::Stdio::null())
-                .kill_on_drop(true)
-                .spawn()
-                .map_err(|e| setup(format!("starting {} {stage}: {e}", exe.display())))?;
-            children.push(child);
+            let args = vec![
+                "stage".into(),
+                "--stage".into(),
+                stage.as_str().into(),
+                "--orchestrator".into(),
+                addr.to_string(),
+                "--in-transport".into(),
+                hop_transport(inbound_kind(stage)),
+                "--out-transport".into(),
+                hop_transport(outbound_kind(stage)),
+                "--bind".into(),
+                launcher.bind_host(stage).to_string(),
+            ];
+            let mut args = args;
+            if let Some(spec) = launcher.metadata() {
+                args.extend(["--metadata".into(), spec]);
+            }
+            let env = vec![(RUN_SECRET_ENV.to_owned(), secret.clone())];
+            children.push(launcher.launch(stage, args, env).await?);
         }
         let mut hellos: BTreeMap<&'static str, Hello> = BTreeMap::new();
         let deadline = tokio::time::Instant::now() + SETUP_TIMEOUT;
@@ -286,7 +404,7 @@ impl Remote {
                 tokio::time::sleep(after).await;
                 tracing::warn!(stage = %st, "kill_stage: sending SIGKILL");
                 // tokio's start_kill is SIGKILL on Unix.
-                let _ = children.lock().await[i].start_kill();
+                children.lock().await[i].start_kill();
             });
         }
         let halted = Arc::new(std::sync::Mutex::new(None));
@@ -294,6 +412,7 @@ impl Remote {
         Ok(Remote {
             links,
             children,
+            nodes,
             scenario: scenario.clone(),
             watchdog,
             halted,
@@ -306,7 +425,19 @@ impl Remote {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
-            .map(|(stage, why)| format!("stage {stage} is gone ({why})"))
+            .map(|(stage, why)| format!("stage {}{} is gone ({why})", stage, self.on_node(*stage)))
+    }
+
+    /// " on node N" when `stage` runs on a cluster node.
+    fn on_node(&self, stage: Stage) -> String {
+        let i = Stage::ALL
+            .iter()
+            .position(|s| *s == stage)
+            .expect("a stage");
+        self.nodes[i]
+            .as_ref()
+            .map(|n| format!(" on node {n}"))
+            .unwrap_or_default()
     }
 
     fn halt(&self, stage: Stage, why: String) {
@@ -373,7 +504,7 @@ impl Remote {
                     };
                     self.halt(*stage, why.clone());
                     let err = HarnessError::Deadline {
-                        stage: format!("{stage} process"),
+                        stage: format!("{stage} process{}", self.on_node(*stage)),
                         request: id.into(),
                         reason: why,
                     };
@@ -402,8 +533,8 @@ impl Remote {
         if let Some((stage, _)) = &lost {
             let i = Stage::ALL.iter().position(|s| s == stage).expect("a stage");
             let mut children = self.children.lock().await;
-            if matches!(children[i].try_wait(), Ok(None)) {
-                let _ = children[i].start_kill();
+            if children[i].try_wait().is_none() {
+                children[i].start_kill();
                 let _ = tokio::time::timeout(Duration::from_secs(5), children[i].wait()).await;
             }
         }
@@ -419,7 +550,7 @@ impl Remote {
                 _ => {
                     // No usage: a process that exited took its memory with it; one still
                     // running that does not answer counts as not clean.
-                    let status = self.children.lock().await[i].try_wait().ok().flatten();
+                    let status = self.children.lock().await[i].try_wait();
                     let why = lost
                         .as_ref()
                         .filter(|(s, _)| s == stage)
@@ -427,8 +558,8 @@ impl Remote {
                         .unwrap_or_default();
                     out.push(StageUsage {
                         stage: stage.as_str().into(),
-                        exited: status.map(|s| format!("{s}{why}")),
                         unanswered: status.is_none(),
+                        exited: status.map(|s| format!("{s}{}{why}", self.on_node(*stage))),
                         ..Default::default()
                     });
                 }
@@ -440,7 +571,7 @@ impl Remote {
                 .await
                 .is_err()
             {
-                let _ = c.start_kill();
+                c.start_kill();
             }
         }
         out
@@ -468,6 +599,8 @@ pub async fn run_stage_process(
     orchestrator: SocketAddr,
     in_transport: TransportKind,
     out_transport: TransportKind,
+    bind: std::net::IpAddr,
+    metadata: Option<&str>,
 ) -> Result<()> {
     for t in [in_transport, out_transport] {
         if !t.crosses_processes() {
@@ -482,10 +615,36 @@ pub async fn run_stage_process(
             "{RUN_SECRET_ENV} is not set: stage processes are started by `omnirig run --processes`"
         ))
     })?;
-    let store = InProcessStore::new();
+    // With a shared store, engines are named by run (the orchestrator's address is unique per
+    // run) and stage, so the upstream finds its downstream by name; without, peer-to-peer.
+    let shared = match metadata {
+        Some(spec) => omnirig_transports::metadata::open_store(spec)?,
+        None => None,
+    };
+    let run_tag: String = orchestrator
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let name = |st: Stage, side: &str| match &shared {
+        Some(_) => format!("run{run_tag}-{st}-{side}"),
+        None => format!("p{}-{st}-{side}", std::process::id()),
+    };
+    let store: Arc<dyn omnirig_transports::MetadataStore> = match &shared {
+        Some(s) => s.clone(),
+        None => InProcessStore::new(),
+    };
     let engine = |side: &str, transport: TransportKind| {
-        EngineConfig::for_kind(format!("p{}-{stage}-{side}", std::process::id()), transport)
-            .store(store.clone())
+        let c = EngineConfig::for_kind(name(stage, side), transport).store(store.clone());
+        // Peers on other nodes reach the engine on the node's address, not on 127.0.0.1.
+        if bind.is_loopback() {
+            c
+        } else {
+            c.with(omnirig_transports::TcpConfig {
+                listen: Some(SocketAddr::new(bind, 0)),
+                ..Default::default()
+            })
+        }
     };
     let engine_in = match inbound_kind(stage) {
         Some(_) => Some(Arc::new(Engine::new(engine("in", in_transport)).await?)),
@@ -495,7 +654,7 @@ pub async fn run_stage_process(
         Some(_) => Some(Arc::new(Engine::new(engine("out", out_transport)).await?)),
         None => None,
     };
-    let control = TcpListener::bind("127.0.0.1:0").await?;
+    let control = TcpListener::bind(SocketAddr::new(bind, 0)).await?;
     let control_addr = control.local_addr()?;
     let mut gate = Gate::new(control, secret.clone());
     let orch = Link::tcp(
@@ -536,8 +695,15 @@ pub async fn run_stage_process(
             link.send(Msg::Peer {
                 stage: stage.as_str().into(),
             })?;
-            e.connect_addr(parse(&down_engine, "engine address")?)
-                .await?;
+            match (&shared, outbound_kind(stage)) {
+                (Some(_), Some(k)) => {
+                    e.connect(&name(k.target(), "in")).await?;
+                }
+                _ => {
+                    e.connect_addr(parse(&down_engine, "engine address")?)
+                        .await?;
+                }
+            }
             Some(HopEnd {
                 engine: e.clone(),
                 link,
@@ -589,6 +755,16 @@ pub async fn run_stage_process(
                 orch.send(Msg::Bye { usage })?;
                 // Wait for the orchestrator's second Shutdown (or hang-up), so the Bye is flushed.
                 let _ = orch.recv("", SETUP_TIMEOUT).await;
+                // A shared store's entries go before the process does (the engines' own
+                // removal on drop runs in the background and would die with the runtime).
+                if let Some(store) = &shared {
+                    for e in [&engine_in, &engine_out].into_iter().flatten() {
+                        let d = e.descriptor();
+                        if let Err(err) = store.remove(&d.name, d.instance).await {
+                            tracing::warn!(engine = %d.name, error = %err, "removing the metadata entry failed");
+                        }
+                    }
+                }
                 return Ok(());
             }
             other => return Err(setup(format!("unexpected {}", other.name()))),

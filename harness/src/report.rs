@@ -2,7 +2,7 @@
 //!
 //! Field names are stable; later tools (plots, fault reports) read them.
 //!
-//! - `report_version` (1), `scenario`, `mode` (`in_process` | `processes`),
+//! - `report_version` (1), `scenario`, `mode` (`in_process` | `processes` | `cluster`),
 //!   `transports` (payload kind -> transport), `concurrency`, `wall_s`.
 //! - `summary`: `requests`, `ok`, `failed`, `pools_clean` (every stage's pools,
 //!   KV blocks, encoder-cache entries and engine grants/batches/tasks/leases

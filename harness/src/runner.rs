@@ -23,7 +23,8 @@ use crate::stage::{HopEnd, StageOutcome, StageUsage, StageWorker, inbound_kind, 
 #[derive(Clone)]
 pub struct Runner {
     scenario: Scenario,
-    processes: Option<PathBuf>,
+    /// Stages as OS processes, started by this launcher; the report's mode names it.
+    launcher: Option<(Arc<dyn crate::process::StageLauncher>, &'static str)>,
     progress: bool,
     decorators: Decorators,
     store: Option<Arc<dyn MetadataStore>>,
@@ -33,7 +34,7 @@ impl std::fmt::Debug for Runner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runner")
             .field("scenario", &self.scenario.name)
-            .field("processes", &self.processes)
+            .field("mode", &self.launcher.as_ref().map(|l| l.1))
             .finish_non_exhaustive()
     }
 }
@@ -132,7 +133,7 @@ impl Runner {
     pub fn new(scenario: Scenario) -> Self {
         Self {
             scenario,
-            processes: None,
+            launcher: None,
             progress: false,
             decorators: Decorators::new(),
             store: None,
@@ -155,7 +156,15 @@ impl Runner {
 
     /// Runs each stage as its own OS process (`exe stage ...`) over TCP on 127.0.0.1.
     pub fn processes(mut self, exe: PathBuf) -> Self {
-        self.processes = Some(exe);
+        let local = crate::process::LocalLauncher { exe };
+        self.launcher = Some((Arc::new(local), "processes"));
+        self
+    }
+
+    /// Runs each stage as an OS process started by `launcher` (on a cluster's nodes, through
+    /// their agents); the report's mode is `cluster`.
+    pub fn cluster(mut self, launcher: Arc<dyn crate::process::StageLauncher>) -> Self {
+        self.launcher = Some((launcher, "cluster"));
         self
     }
 
@@ -174,12 +183,12 @@ impl Runner {
         let plans: Vec<&RequestPlan> = requests.iter().map(|r| &*r.plan).collect();
         let faults = self.scenario.compile_faults(&requests)?;
         self.scenario.check_memory(&plans, &self.scenario.name)?;
-        if self.scenario.kill_stage.is_some() && self.processes.is_none() {
+        if self.scenario.kill_stage.is_some() && self.launcher.is_none() {
             return Err(HarnessError::Setup(
                 "kill_stage needs --processes: it kills a stage's OS process".into(),
             ));
         }
-        if !faults.is_empty() && self.processes.is_some() {
+        if !faults.is_empty() && self.launcher.is_some() {
             return Err(HarnessError::Setup(
                 "fault plans run in-process only; drop --processes or the scenario's faults".into(),
             ));
@@ -197,18 +206,18 @@ impl Runner {
             decorators.insert(hop, d);
             injectors.push((hop, inj));
         }
-        let (stages, mode) = match &self.processes {
+        let (stages, mode) = match &self.launcher {
             None => (
                 Stages::Local(Arc::new(
                     local_stages(&self.scenario, &plans, &decorators, self.store.clone()).await?,
                 )),
                 "in_process",
             ),
-            Some(exe) => (
+            Some((launcher, mode)) => (
                 Stages::Remote(Arc::new(
-                    crate::process::Remote::spawn(exe, &self.scenario).await?,
+                    crate::process::Remote::spawn_with(&**launcher, &self.scenario).await?,
                 )),
-                "processes",
+                *mode,
             ),
         };
         let stages = Arc::new(stages);
@@ -225,7 +234,7 @@ impl Runner {
         let usage = stages.drain().await;
         let mut transports = BTreeMap::new();
         for k in PayloadKind::ALL {
-            let t = if self.processes.is_some() {
+            let t = if self.launcher.is_some() {
                 crate::process::process_transport(self.scenario.transport_for(k))
             } else {
                 self.scenario.transport_for(k)

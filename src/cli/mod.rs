@@ -1,5 +1,10 @@
+#[cfg(feature = "hil")]
+pub mod agent;
 pub mod bench;
+#[cfg(feature = "hil")]
+pub mod evidence;
 pub mod fixtures;
+pub mod metadata;
 pub mod report;
 pub mod run;
 pub mod stage;

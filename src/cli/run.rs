@@ -16,6 +16,11 @@ pub struct RunArgs {
     /// go over tcp on 127.0.0.1 instead; tcp and shm hops keep their transport.
     #[arg(long)]
     processes: bool,
+    /// Run the stages on a cluster's nodes through their agents (hardware-in-the-loop mode);
+    /// ssh / srun nodes get their agents started, manual ones must have them running.
+    #[cfg(feature = "hil")]
+    #[arg(long, conflicts_with = "processes")]
+    cluster: Option<PathBuf>,
     /// Use this transport for every hop, overriding the scenario.
     #[arg(long, value_enum)]
     transport: Option<omnirig_transports::TransportKind>,
@@ -62,6 +67,23 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    #[cfg(feature = "hil")]
+    let _agents = match &args.cluster {
+        Some(path) => {
+            let cluster = omnirig_hil::Cluster::from_path(path)?;
+            let exe = std::env::current_exe().context("locating the omnirig binary")?;
+            let agents = rt.block_on(omnirig_hil::start_agents(
+                &cluster,
+                &exe.to_string_lossy(),
+                std::time::Duration::from_secs(60),
+            ))?;
+            runner = runner.cluster(std::sync::Arc::new(omnirig_hil::ClusterLauncher::new(
+                cluster,
+            )?));
+            Some(agents)
+        }
+        None => None,
+    };
     let report = rt.block_on(runner.run())?;
     print!("{}", report.summary_text());
     if let Some(dir) = &args.report {

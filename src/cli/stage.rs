@@ -20,6 +20,13 @@ pub struct StageArgs {
     /// The outbound hop's transport (one that crosses processes).
     #[arg(long, value_enum, default_value_t = TransportKind::Tcp)]
     out_transport: TransportKind,
+    /// The address its control listener and engines listen on (a cluster node's address).
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: std::net::IpAddr,
+    /// The metadata store its engines publish to and find peers through (http://host:port or
+    /// etcd://host:port[?ttl_s=N]); default: peer-to-peer.
+    #[arg(long)]
+    metadata: Option<String>,
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
@@ -33,6 +40,8 @@ pub fn run(args: StageArgs) -> anyhow::Result<()> {
         args.orchestrator,
         args.in_transport,
         args.out_transport,
+        args.bind,
+        args.metadata.as_deref(),
     ))?;
     Ok(())
 }

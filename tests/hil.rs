@@ -1,0 +1,277 @@
+//! Hardware-in-the-loop mode (`cargo test --features hil`).
+//!
+//! `golden_cases_on_the_cluster` runs the case list `cargo test loopback` runs
+//! ([`omnirig_fixtures::golden_cases`], the one definition both read) with the stages placed
+//! on the nodes of the cluster file `OMNIRIG_CLUSTER` names, plus the default scenario
+//! (repeats, prefix hits, concurrency). Without `OMNIRIG_CLUSTER` it prints SKIPPED and what
+//! to set; with `OMNIRIG_HIL_REQUIRED=1` (CI lanes that have a cluster) that is a failure.
+//! `OMNIRIG_HIL_TRANSPORT` picks the hops' transport (default tcp).
+//!
+//! `a_node_that_dies_mid_run_fails_its_requests_naming_it` needs no cluster: it starts two
+//! agents on 127.0.0.1, each in its own process group (a "node"), and kills one mid-run.
+#![cfg(feature = "hil")]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use omnirig_harness::{Report, Runner, Scenario};
+use omnirig_hil::{Cluster, ClusterLauncher, start_agents};
+use omnirig_transports::TransportKind;
+
+const EXE: &str = env!("CARGO_BIN_EXE_omnirig");
+
+fn assert_clean_pass(r: &Report, what: &str) {
+    for q in &r.requests {
+        assert!(q.ok, "{what} {}: {:?}", q.id, q.error);
+        for h in &q.hops {
+            assert!(h.verified, "{what} {} {}: not verified", q.id, h.hop);
+            assert_eq!(
+                h.moved_bytes + h.reused_bytes,
+                h.bytes,
+                "{what} {} {}",
+                q.id,
+                h.hop
+            );
+        }
+    }
+    assert!(r.summary.pools_clean, "{what}: {}", r.summary_text());
+    assert!(r.passed(), "{what}: {}", r.summary_text());
+    assert_eq!(r.mode, "cluster");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn golden_cases_on_the_cluster() {
+    let Some(path) = std::env::var_os("OMNIRIG_CLUSTER") else {
+        let msg = "SKIPPED golden_cases_on_the_cluster: set OMNIRIG_CLUSTER=path/to/cluster.yaml \
+                   (see hil/cluster.example.yaml and the README's HIL section) to run the \
+                   loopback case list on a cluster's nodes; nothing was run, nothing passed";
+        if std::env::var("OMNIRIG_HIL_REQUIRED").as_deref() == Ok("1") {
+            panic!("OMNIRIG_HIL_REQUIRED=1: {msg}");
+        }
+        // Straight to stderr, past the test harness's capture: a skip must be seen.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "{msg}");
+        return;
+    };
+    let cluster = Cluster::from_path(&PathBuf::from(path)).unwrap();
+    let transport: TransportKind = std::env::var("OMNIRIG_HIL_TRANSPORT")
+        .unwrap_or_else(|_| "tcp".into())
+        .parse()
+        .expect("OMNIRIG_HIL_TRANSPORT names a transport");
+    let _agents = start_agents(&cluster, EXE, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let launcher = Arc::new(ClusterLauncher::new(cluster.clone()).unwrap());
+    let cases = omnirig_fixtures::golden_cases();
+    assert!(!cases.is_empty());
+    for case in &cases {
+        let r = Runner::new(Scenario::golden(&case.name, transport))
+            .cluster(launcher.clone())
+            .run()
+            .await
+            .unwrap();
+        assert_clean_pass(&r, &case.name);
+        for (hop, t) in &r.transports {
+            assert_eq!(t, transport.as_str(), "{}: hop {hop}", case.name);
+        }
+        println!(
+            "{} on cluster {}: ok, {}",
+            case.name,
+            cluster.name,
+            r.summary_text().lines().next().unwrap_or("")
+        );
+    }
+    let r = Runner::new(Scenario::default_scenario().with_transport(transport))
+        .cluster(launcher)
+        .run()
+        .await
+        .unwrap();
+    assert_clean_pass(&r, "default scenario");
+}
+
+/// A "node": an agent in its own process group, so killing the group kills the agent and
+/// every stage it started, as a node's power loss would.
+struct Node {
+    child: Child,
+}
+
+impl Node {
+    fn start(port: u16, secret: &str) -> Node {
+        use std::os::unix::process::CommandExt;
+        let child = Command::new(EXE)
+            .args(["agent", "--listen", &format!("127.0.0.1:{port}")])
+            .env("OMNIRIG_AGENT_SECRET", secret)
+            .stdout(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        Node { child }
+    }
+
+    fn kill(&mut self) {
+        let st = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.child.id())])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.child.id())])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_dies_mid_run_fails_its_requests_naming_it() {
+    let secret = "node-death-test-secret";
+    let (pa, pb) = (free_port(), free_port());
+    let yaml = format!(
+        "name: two-local\nsecret: {secret}\ncoordinator: {{address: 127.0.0.1}}\nnodes:\n  \
+         - {{name: node-a, host: 127.0.0.1, agent_port: {pa}, stages: [encoder, thinker_prefill, thinker_decode]}}\n  \
+         - {{name: node-b, host: 127.0.0.1, agent_port: {pb}, stages: [talker, code2wav]}}\n"
+    );
+    let cluster = Cluster::from_yaml(&yaml, "test cluster").unwrap();
+    let _a = Node::start(pa, secret);
+    let mut b = Node::start(pb, secret);
+    start_agents(&cluster, EXE, Duration::from_secs(30))
+        .await
+        .unwrap();
+    // Enough requests that node-b dies with some in flight.
+    let scenario = Scenario::from_yaml(
+        "name: node-death\ntransport: tcp\nconcurrency: 2\nrequests:\n  - case: image_audio\n    repeat: 400\n",
+        "node-death",
+    )
+    .unwrap();
+    let runner = Runner::new(scenario).cluster(Arc::new(ClusterLauncher::new(cluster).unwrap()));
+    let run = tokio::spawn(async move { runner.run().await });
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    b.kill();
+    let r = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the run ends after a node died")
+        .unwrap()
+        .expect("the run reports after a node died");
+    assert!(!r.passed(), "{}", r.summary_text());
+    let failed: Vec<_> = r.requests.iter().filter(|q| !q.ok).collect();
+    assert!(!failed.is_empty(), "{}", r.summary_text());
+    assert!(
+        failed
+            .iter()
+            .any(|q| q.error.as_deref().is_some_and(|e| e.contains("node-b"))),
+        "no failure names node-b: {:?}",
+        failed.iter().map(|q| &q.error).collect::<Vec<_>>()
+    );
+    // Node b's stages report how they ended, naming the node.
+    for st in r
+        .stages
+        .iter()
+        .filter(|s| s.stage == "talker" || s.stage == "code2wav")
+    {
+        assert!(
+            st.exited.as_deref().is_some_and(|e| e.contains("node-b")),
+            "{st:?}"
+        );
+    }
+    println!("{}", r.summary_text());
+}
+
+/// `omnirig evidence` on two local agents: every node's facts (or why each probe could not
+/// run), the TCP path measured per hop and passed, and every path it cannot run says why.
+#[test]
+fn evidence_collects_facts_measures_tcp_and_says_why_for_the_rest() {
+    let secret = "evidence-test-secret-01";
+    let (pa, pb) = (free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("omnirig-evidence-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cluster = dir.join("cluster.yaml");
+    std::fs::write(
+        &cluster,
+        format!(
+            "name: ev-local\nsecret: {secret}\ncoordinator: {{address: 127.0.0.1}}\nnodes:\n  \
+             - {{name: node-a, host: 127.0.0.1, agent_port: {pa}, stages: [encoder, thinker_prefill, thinker_decode]}}\n  \
+             - {{name: node-b, host: 127.0.0.1, agent_port: {pb}, netdev: lo, stages: [talker, code2wav]}}\n"
+        ),
+    )
+    .unwrap();
+    let scenario = dir.join("scenario.yaml");
+    std::fs::write(&scenario, "name: ev\nrequests:\n  - case: text_short\n").unwrap();
+    let (_a, _b) = (Node::start(pa, secret), Node::start(pb, secret));
+    let out = dir.join("out");
+    let st = Command::new(EXE)
+        .args(["evidence", "--cluster"])
+        .arg(&cluster)
+        .arg("--out")
+        .arg(&out)
+        .arg("--scenario")
+        .arg(&scenario)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let ev: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("evidence.json")).unwrap()).unwrap();
+    let nodes = ev["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 2);
+    for n in nodes {
+        let probes = n["facts"]["probes"]
+            .as_array()
+            .expect("facts from the agent");
+        assert!(!probes.is_empty());
+        for p in probes {
+            // Each probe has output, or says why not.
+            assert!(p["output"].is_string() || p["why_not"].is_string(), "{p}");
+        }
+        let kernel = probes.iter().find(|p| p["name"] == "kernel").unwrap();
+        assert!(
+            kernel["output"].as_str().unwrap().starts_with("Linux"),
+            "{kernel}"
+        );
+    }
+    let paths = ev["paths"].as_array().unwrap();
+    let tcp = &paths[0];
+    assert_eq!(
+        (tcp["ran"].as_bool(), tcp["passed"].as_bool()),
+        (Some(true), Some(true))
+    );
+    // text_short has no encoder hop: the other three, each measured over tcp.
+    let hops = tcp["hops"].as_array().unwrap();
+    assert_eq!(hops.len(), 3, "{tcp}");
+    for h in hops {
+        assert_eq!(h["transport"], "tcp", "{h}");
+        assert!(
+            h["requests"].as_u64() > Some(0) && h["transfer_ms_p50"].as_f64() > Some(0.0),
+            "{h}"
+        );
+    }
+    for p in paths
+        .iter()
+        .skip(1)
+        .chain(ev["baselines"].as_array().unwrap())
+    {
+        assert_eq!(p["ran"], false, "{p}");
+        assert!(p["why_not"].as_str().is_some_and(|w| !w.is_empty()), "{p}");
+    }
+    let md = std::fs::read_to_string(out.join("evidence.md")).unwrap();
+    assert!(
+        md.contains("| node-a | 127.0.0.1 |") && md.contains("passed, bit-exact"),
+        "{md}"
+    );
+    assert!(out.join("tcp/report.json").is_file() && out.join("tcp/index.html").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
