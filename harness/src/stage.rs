@@ -24,10 +24,9 @@ use crate::control::{Link, Msg, NamedDigest};
 use crate::ec::{EcAcquire, EcSlot, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
-use crate::kv::{
-    BlockPool, KvGeometry, KvGrant, KvReservation, block_hash, contiguous_runs, plan_kv_writes,
-};
+use crate::kv::{BlockPool, KvGeometry, block_hash, contiguous_runs};
 use crate::pool::{Lease, Pool};
+use crate::protocol::kv::{KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, kv_tensor};
 use crate::protocol::{
     ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, ProducerState,
     bad_reply,
@@ -665,30 +664,6 @@ impl StageWorker {
         Ok(())
     }
 
-    /// Waits for the producer's reply to a reservation, then revokes every grant it carried:
-    /// the fence, so nothing lands after this. A `grant_revoked` fault revokes them at once
-    /// instead, before the producer can use them.
-    async fn await_reply(
-        &self,
-        link: &Link,
-        engine: &Engine,
-        rid: &str,
-        grants: &mut Vec<Grant>,
-        fault: Option<HarnessFault>,
-    ) -> (Result<Msg>, Instant) {
-        if fault == Some(HarnessFault::GrantRevoked) {
-            for g in grants.iter() {
-                engine.revoke(g);
-            }
-        }
-        let reply = link.recv(rid, self.timeout()).await;
-        let replied = Instant::now();
-        for g in grants.drain(..) {
-            engine.revoke(&g);
-        }
-        (reply, replied)
-    }
-
     /// The connector fault scripted for this hop and request, if any.
     fn fault(&self, hop: &Hop, rid: &str) -> Option<HarnessFault> {
         self.cfg
@@ -824,122 +799,14 @@ impl StageWorker {
                     .kv
                     .as_ref()
                     .ok_or_else(|| hop_err(None, &"no KV layout"))?;
-                let n = layout.num_blocks as usize;
-                let full = (layout.tokens / layout.block_tokens) as usize;
-                // At least one block always moves (the last token is recomputed).
-                let hashes: Vec<_> = (0..full.min(n.saturating_sub(1)) as u64)
-                    .map(|i| block_hash(plan.seed, i))
-                    .collect();
-                let hit = if self.cfg.prefix_cache {
-                    kv.lock().lookup_prefix(&hashes)
-                } else {
-                    vec![]
-                };
-                let mut held = KvHeld {
-                    kv: kv.clone(),
-                    engine: engine.clone(),
-                    blocks: hit,
-                    grants: vec![],
-                };
-                let first_block = held.blocks.len() as u32;
-                let fault = self.fault(hop, rid);
-                // An exhausted pool: ask for more blocks than it will ever have.
-                let want = match fault {
-                    Some(HarnessFault::PoolExhausted) => kv.geo.capacity as usize + 1,
-                    _ => n - held.blocks.len(),
-                };
-                let tail = kv
-                    .alloc(want, self.timeout())
-                    .await
-                    .map_err(|e| refuse(hop_err(None, &e)))?;
-                held.blocks.extend_from_slice(&tail);
-                let bb = kv.geo.block_bytes;
-                let mut grants = Vec::new();
-                for layer in 0..layout.num_layers {
-                    for v in [false, true] {
-                        for (start, id, len) in contiguous_runs(&tail) {
-                            let bytes = u64::from(len) * bb;
-                            let short = fault == Some(HarnessFault::GrantOutOfBounds);
-                            let g = engine
-                                .grant(
-                                    &kv.buffer,
-                                    kv.geo.offset(layer, v, id),
-                                    if short { bytes - 1 } else { bytes },
-                                    Access::Write,
-                                )
-                                .map_err(|e| refuse(hop_err(None, &e)))?;
-                            held.grants.push(g.clone());
-                            // Out of bounds: the producer is told one byte more than granted.
-                            let told = Grant { len: bytes, ..g };
-                            grants.push(KvGrant {
-                                layer,
-                                v,
-                                start,
-                                len,
-                                grant: told,
-                            });
-                        }
-                    }
-                }
-                link.send(Msg::KvReserve {
-                    request: rid.into(),
-                    reservation: KvReservation {
-                        first_block,
-                        dst_blocks: tail.clone(),
-                        grants,
-                    },
-                })?;
-                times.granted = Some(Instant::now());
-                let (reply, replied) = self
-                    .await_reply(link, engine, rid, &mut held.grants, fault)
-                    .await;
-                times.replied = Some(replied);
-                let tv = Instant::now();
-                times.fenced = Some(tv);
-                match reply? {
-                    Msg::Finish { .. } => {
-                        // Every block the stage will use, reused ones included.
-                        cpu(|| -> Result<()> {
-                            for layer in 0..layout.num_layers {
-                                for v in [false, true] {
-                                    let name = if v {
-                                        KvLayout::v_name(layer)
-                                    } else {
-                                        KvLayout::k_name(layer)
-                                    };
-                                    let digests = held
-                                        .blocks
-                                        .iter()
-                                        .map(|&b| {
-                                            kv.buffer.view(
-                                                kv.geo.offset(layer, v, b),
-                                                bb,
-                                                Digest128::of_bytes,
-                                            )
-                                        })
-                                        .collect::<std::result::Result<Vec<_>, _>>()
-                                        .map_err(|e| hop_err(Some(&name), &e))?;
-                                    self.stub
-                                        .check_kv_blocks(plan, &name, &digests)
-                                        .map_err(|e| hop_err(Some(&name), &e))?;
-                                }
-                            }
-                            Ok(())
-                        })?;
-                        if self.cfg.prefix_cache {
-                            let mut pool = kv.lock();
-                            for (i, &b) in held.blocks.iter().enumerate().take(full) {
-                                pool.commit(b, block_hash(plan.seed, i as u64));
-                            }
-                        }
-                    }
-                    other => return Err(bad_reply(hop.payload_kind, rid, other)),
-                }
-                times.verified = Some(Instant::now());
-                rec.verify_ms = ms(tv.elapsed());
-                let per_block = 2 * u64::from(layout.num_layers) * bb;
+                let (held, t, first_block, moved) = self
+                    .receive_kv(kv, engine, link, plan, hop, layout, rid, t0)
+                    .await?;
+                times = t;
+                rec.verify_ms = ms(times.verify());
+                let per_block = 2 * u64::from(layout.num_layers) * kv.geo.block_bytes;
                 rec.tensors = hop.tensors.len();
-                rec.landed_bytes = tail.len() as u64 * per_block;
+                rec.landed_bytes = moved as u64 * per_block;
                 rec.reused_bytes = u64::from(first_block) * per_block;
                 Box::new(held)
             }
@@ -1042,6 +909,171 @@ impl StageWorker {
                     }
                     ConsumerAction::Done => return Ok((held, m.times())),
                     ConsumerAction::Failed(e) => return Err(e),
+                }
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
+    /// The KV connector's consumer end (decode): drives a [`KvConsumer`] from the offer
+    /// (already received at `offered`) to every block verified. Returns what the request
+    /// holds, the handoff's times, the prefix-hit block count and how many blocks moved.
+    #[allow(clippy::too_many_arguments)]
+    async fn receive_kv(
+        &self,
+        kv: &Arc<PagedKv>,
+        engine: &Arc<Engine>,
+        link: &Link,
+        plan: &RequestPlan,
+        hop: &Hop,
+        layout: &KvLayout,
+        rid: &str,
+        offered: Instant,
+    ) -> Result<(KvHeld, HandoffTimes, u32, usize)> {
+        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
+            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
+        };
+        let n = layout.num_blocks as usize;
+        let full = (layout.tokens / layout.block_tokens) as usize;
+        let bb = kv.geo.block_bytes;
+        let fault = self.fault(hop, rid);
+        let mut held = KvHeld {
+            kv: kv.clone(),
+            engine: engine.clone(),
+            blocks: vec![],
+            grants: vec![],
+        };
+        let mut m = KvConsumer::new(
+            hop.payload_kind,
+            rid,
+            layout.num_layers,
+            layout.num_blocks,
+            self.timeout(),
+        );
+        m.handle_msg(
+            offered,
+            Msg::Offer {
+                request: rid.into(),
+            },
+        );
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    KvConsumerAction::Reserve => {
+                        // At least one block always moves (the last token is recomputed).
+                        let hashes: Vec<_> = (0..full.min(n.saturating_sub(1)) as u64)
+                            .map(|i| block_hash(plan.seed, i))
+                            .collect();
+                        if self.cfg.prefix_cache {
+                            held.blocks = kv.lock().lookup_prefix(&hashes);
+                        }
+                        let first_block = held.blocks.len() as u32;
+                        // An exhausted pool: ask for more blocks than it will ever have.
+                        let want = match fault {
+                            Some(HarnessFault::PoolExhausted) => kv.geo.capacity as usize + 1,
+                            _ => n - held.blocks.len(),
+                        };
+                        match kv.alloc(want, self.timeout()).await {
+                            Ok(tail) => {
+                                held.blocks.extend_from_slice(&tail);
+                                m.blocks(first_block, tail, vec![]);
+                            }
+                            Err(e) => m.reserve_failed(vec![], hop_err(None, &e)),
+                        }
+                    }
+                    KvConsumerAction::Grant(runs) => {
+                        let mut told = Vec::with_capacity(runs.len());
+                        let mut failed = None;
+                        for r in &runs {
+                            let bytes = u64::from(r.len) * bb;
+                            let short = fault == Some(HarnessFault::GrantOutOfBounds);
+                            match engine.grant(
+                                &kv.buffer,
+                                kv.geo.offset(r.layer, r.v, r.block),
+                                if short { bytes - 1 } else { bytes },
+                                Access::Write,
+                            ) {
+                                Ok(g) => {
+                                    held.grants.push(g.clone());
+                                    // Out of bounds: prefill is told one byte more than granted.
+                                    told.push(Grant { len: bytes, ..g });
+                                }
+                                Err(e) => {
+                                    failed = Some(hop_err(None, &e));
+                                    break;
+                                }
+                            }
+                        }
+                        match failed {
+                            None => m.granted(Instant::now(), held.grants.clone(), told),
+                            Some(e) => m.reserve_failed(vec![], e),
+                        }
+                    }
+                    KvConsumerAction::Send(msg) => {
+                        let reserve = matches!(msg, Msg::KvReserve { .. });
+                        if reserve {
+                            link.send(msg)?;
+                        } else {
+                            let _ = link.send(msg);
+                        }
+                        // A revoked grant: revoked at once, before prefill can use it.
+                        if reserve && fault == Some(HarnessFault::GrantRevoked) {
+                            for g in &held.grants {
+                                engine.revoke(g);
+                            }
+                        }
+                    }
+                    KvConsumerAction::Revoke(grants) => {
+                        for g in &grants {
+                            engine.revoke(g);
+                        }
+                        m.fenced(Instant::now());
+                    }
+                    KvConsumerAction::Verify => {
+                        // Every block the stage will use, reused ones included.
+                        let found = cpu(|| -> Result<()> {
+                            for layer in 0..layout.num_layers {
+                                for v in [false, true] {
+                                    let name = kv_tensor(layer, v);
+                                    let digests = held
+                                        .blocks
+                                        .iter()
+                                        .map(|&b| {
+                                            kv.buffer.view(
+                                                kv.geo.offset(layer, v, b),
+                                                bb,
+                                                Digest128::of_bytes,
+                                            )
+                                        })
+                                        .collect::<std::result::Result<Vec<_>, _>>()
+                                        .map_err(|e| hop_err(Some(&name), &e))?;
+                                    self.stub
+                                        .check_kv_blocks(plan, &name, &digests)
+                                        .map_err(|e| hop_err(Some(&name), &e))?;
+                                }
+                            }
+                            Ok(())
+                        });
+                        if found.is_ok() && self.cfg.prefix_cache {
+                            let mut pool = kv.lock();
+                            for (i, &b) in held.blocks.iter().enumerate().take(full) {
+                                pool.commit(b, block_hash(plan.seed, i as u64));
+                            }
+                        }
+                        m.verified(Instant::now(), found);
+                    }
+                    KvConsumerAction::Done => {
+                        let (first, moved) = (m.first_block(), m.tail().len());
+                        return Ok((held, m.times(), first, moved));
+                    }
+                    KvConsumerAction::Failed(e) => return Err(e),
                 }
             }
             let wait = m
@@ -1214,66 +1246,12 @@ impl StageWorker {
         {
             return self.send_packet(side, pool, plan, hop, rid, started).await;
         }
+        if let OutMem::Kv(kv) = &side.mem {
+            return self.send_kv(side, kv, plan, hop, rid, started).await;
+        }
         let link = &side.end.link;
-        let engine = &side.end.engine;
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
-        };
-        // Prefill's KV is its compute's output: it exists before decode asks for it.
-        let kv_blocks = match &side.mem {
-            OutMem::Kv(kv) => {
-                let layout = hop
-                    .kv
-                    .as_ref()
-                    .ok_or_else(|| hop_err(None, &"no KV layout"))?;
-                let blocks = kv
-                    .alloc(layout.num_blocks as usize, self.timeout())
-                    .await
-                    .map_err(|e| hop_err(None, &e));
-                let blocks = match blocks {
-                    Ok(b) => b,
-                    Err(e) => {
-                        self.abort_outbound(rid, plan, &e).await;
-                        return Err(e);
-                    }
-                };
-                let held = KvHeld {
-                    kv: kv.clone(),
-                    engine: engine.clone(),
-                    blocks,
-                    grants: vec![],
-                };
-                let bb = kv.geo.block_bytes;
-                let fill = || -> Result<()> {
-                    for layer in 0..layout.num_layers {
-                        for v in [false, true] {
-                            let name = if v {
-                                KvLayout::v_name(layer)
-                            } else {
-                                KvLayout::k_name(layer)
-                            };
-                            let spec = hop
-                                .tensor(&name)
-                                .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
-                            for (i, &b) in held.blocks.iter().enumerate() {
-                                kv.buffer
-                                    .fill(kv.geo.offset(layer, v, b), bb, |out| {
-                                        self.stub.produce(plan, spec, i as u64 * bb, out)
-                                    })
-                                    .map_err(|e| hop_err(Some(&name), &e))?
-                                    .map_err(|e| hop_err(Some(&name), &e))?;
-                            }
-                        }
-                    }
-                    Ok(())
-                };
-                if let Err(e) = cpu(fill) {
-                    self.abort_outbound(rid, plan, &e).await;
-                    return Err(e);
-                }
-                Some(held)
-            }
-            OutMem::Staging(_) => None,
         };
         // Outputs exist: offer them, then the hop timeout runs from here.
         link.send(Msg::Offer {
@@ -1295,16 +1273,7 @@ impl StageWorker {
             ..Default::default()
         };
         let result = self
-            .write(
-                side,
-                plan,
-                hop,
-                rid,
-                msg,
-                kv_blocks.as_ref(),
-                &mut sent,
-                started,
-            )
+            .write(side, plan, hop, rid, msg, &mut sent, started)
             .await;
         match result {
             Ok(reply) => {
@@ -1320,6 +1289,154 @@ impl StageWorker {
                     peer: e.failure_peer(),
                 });
                 Err(e)
+            }
+        }
+    }
+
+    /// The KV connector's producer end (prefill): fills its blocks (its compute's output,
+    /// there before decode asks for it), then drives a [`KvProducer`] from the offer to
+    /// FINISH (or the ERROR naming the blocks whose write failed).
+    async fn send_kv(
+        &self,
+        side: &Side<OutMem>,
+        kv: &Arc<PagedKv>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        started: Instant,
+    ) -> Result<Sent> {
+        let link = &side.end.link;
+        let engine = &side.end.engine;
+        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
+            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
+        };
+        let layout = hop
+            .kv
+            .as_ref()
+            .ok_or_else(|| hop_err(None, &"no KV layout"))?;
+        let blocks = kv
+            .alloc(layout.num_blocks as usize, self.timeout())
+            .await
+            .map_err(|e| hop_err(None, &e));
+        let blocks = match blocks {
+            Ok(b) => b,
+            Err(e) => {
+                self.abort_outbound(rid, plan, &e).await;
+                return Err(e);
+            }
+        };
+        let held = KvHeld {
+            kv: kv.clone(),
+            engine: engine.clone(),
+            blocks,
+            grants: vec![],
+        };
+        let bb = kv.geo.block_bytes;
+        let fill = || -> Result<()> {
+            for layer in 0..layout.num_layers {
+                for v in [false, true] {
+                    let name = if v {
+                        KvLayout::v_name(layer)
+                    } else {
+                        KvLayout::k_name(layer)
+                    };
+                    let spec = hop
+                        .tensor(&name)
+                        .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
+                    for (i, &b) in held.blocks.iter().enumerate() {
+                        kv.buffer
+                            .fill(kv.geo.offset(layer, v, b), bb, |out| {
+                                self.stub.produce(plan, spec, i as u64 * bb, out)
+                            })
+                            .map_err(|e| hop_err(Some(&name), &e))?
+                            .map_err(|e| hop_err(Some(&name), &e))?;
+                    }
+                }
+            }
+            Ok(())
+        };
+        if let Err(e) = cpu(fill) {
+            self.abort_outbound(rid, plan, &e).await;
+            return Err(e);
+        }
+        let mut m = KvProducer::new(
+            Instant::now(),
+            hop.payload_kind,
+            rid,
+            held.blocks.clone(),
+            kv.geo.num_layers,
+            bb,
+            self.timeout(),
+        );
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            tensors: hop.tensors.len(),
+            ..Default::default()
+        };
+        let mut writes = Vec::new();
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    KvProducerAction::Send(msg @ Msg::Error { .. }) => {
+                        let _ = link.send(msg);
+                    }
+                    KvProducerAction::Send(msg) => link.send(msg)?,
+                    KvProducerAction::Write {
+                        index,
+                        write,
+                        grant,
+                        len,
+                        name,
+                    } => writes.push((index, write, grant, len, name)),
+                    KvProducerAction::Done => return Ok(sent),
+                    KvProducerAction::Failed(e) => return Err(e),
+                }
+            }
+            if !writes.is_empty() {
+                // Every run contiguous on both sides is one request, all in one batch.
+                let ts = Instant::now();
+                let mut requests = Vec::with_capacity(writes.len());
+                let mut indices = Vec::with_capacity(writes.len());
+                let mut names = Vec::with_capacity(writes.len());
+                for (index, w, grant, len, name) in writes.drain(..) {
+                    requests.push(
+                        Request::write(
+                            &kv.buffer,
+                            kv.geo.offset(w.layer, w.v, w.run.src),
+                            &grant,
+                            w.grant_offset,
+                            len,
+                        )
+                        .tagged(fault_tag(rid, &kv_tensor(w.layer, w.v))),
+                    );
+                    indices.push(index);
+                    names.push(name);
+                    sent.bytes += len;
+                }
+                sent.stage_ms = ms(ts.elapsed());
+                sent.requests = requests.len();
+                let t = Instant::now();
+                sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                let r = engine.transfer(requests, Some(self.timeout())).await;
+                sent.transfer_ms = ms(t.elapsed());
+                match r {
+                    Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                    Err(e) => {
+                        let k = e.task();
+                        let name = k.and_then(|k| names.get(k)).map(String::as_str);
+                        let err = hop_err(name, &e);
+                        m.write_failed(k.and_then(|k| indices.get(k).copied()), err);
+                    }
+                }
+                continue;
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
             }
         }
     }
@@ -1438,7 +1555,6 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
         msg: Msg,
-        kv_held: Option<&KvHeld>,
         sent: &mut Sent,
         started: Instant,
     ) -> std::result::Result<Msg, (Vec<String>, HarnessError)> {
@@ -1468,37 +1584,6 @@ impl StageWorker {
                     sent.bytes += len;
                     leases.push(lease);
                 }
-            }
-            (OutMem::Kv(kv), Msg::KvReserve { reservation, .. }) => {
-                let held = kv_held.expect("prefill holds its blocks");
-                let bb = kv.geo.block_bytes;
-                let writes = plan_kv_writes(&held.blocks, &reservation, kv.geo.num_layers, bb)
-                    .map_err(|e| (vec![], hop_err(None, &format!("bad reservation: {e}"))))?;
-                for w in writes {
-                    let len = u64::from(w.run.len) * bb;
-                    let tensor = if w.v {
-                        KvLayout::v_name(w.layer)
-                    } else {
-                        KvLayout::k_name(w.layer)
-                    };
-                    requests.push(
-                        Request::write(
-                            &kv.buffer,
-                            kv.geo.offset(w.layer, w.v, w.run.src),
-                            &reservation.grants[w.grant].grant,
-                            w.grant_offset,
-                            len,
-                        )
-                        .tagged(fault_tag(rid, &tensor)),
-                    );
-                    names.push(format!(
-                        "{tensor} blocks {}..{}",
-                        w.run.logical,
-                        w.run.logical + w.run.len
-                    ));
-                    sent.bytes += len;
-                }
-                sent.tensors = hop.tensors.len();
             }
             (_, other) => {
                 return Err((
