@@ -20,12 +20,15 @@ use omnirig_transports::{Access, Buffer, Engine, Grant, Request, Usage};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use crate::control::{Link, Msg, NamedDigest};
-use crate::ec::{EcAcquire, EcSlot, EncoderCache};
+use crate::control::{Link, Msg};
+use crate::ec::{EcAcquire, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
 use crate::kv::{BlockPool, KvGeometry, block_hash, contiguous_runs};
 use crate::pool::{Lease, Pool};
+use crate::protocol::ec::{
+    EcConsumer, EcConsumerAction, EcEntry, EcProducer, EcProducerAction, EcProducerState,
+};
 use crate::protocol::kv::{KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, kv_tensor};
 use crate::protocol::{
     ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, ProducerState,
@@ -366,8 +369,6 @@ struct EcHeld {
     ready: Vec<String>,
     /// (mm_hash, offset, tensor) reserved and not yet verified.
     reserved: Vec<(String, u64, String)>,
-    /// (offset, tensor) of cache hits, checked again before the stage starts.
-    hits: Vec<(u64, String)>,
     grants: Vec<Grant>,
 }
 
@@ -717,81 +718,14 @@ impl StageWorker {
             start_ms: Some(ms(t0.duration_since(started))),
             ..Default::default()
         };
-        let mut times = HandoffTimes {
-            offered: Some(t0),
-            ..Default::default()
-        };
+        let times: HandoffTimes;
         let held: Held = match &side.mem {
             InMem::Ec(store) => {
-                let mut held = EcHeld {
-                    store: store.clone(),
-                    engine: engine.clone(),
-                    ready: vec![],
-                    reserved: vec![],
-                    hits: vec![],
-                    grants: vec![],
-                };
-                let slots = self
-                    .reserve_ec(store, engine, plan, hop, rid, &mut held, &mut rec)
-                    .await
-                    .map_err(refuse)?;
-                link.send(Msg::EcReserve {
-                    request: rid.into(),
-                    slots,
-                })?;
-                times.granted = Some(Instant::now());
-                let reply = link.recv(rid, self.timeout()).await;
-                times.replied = Some(Instant::now());
-                held.revoke();
-                let tv = Instant::now();
-                times.fenced = Some(tv);
-                match reply? {
-                    Msg::Finish { digests, .. } => {
-                        // Entries leave `reserved` only once verified: on any error, the
-                        // drop of `held` fails the rest, so nobody caches a bad entry.
-                        for (hash, offset, tensor) in held.reserved.clone() {
-                            let spec = hop.tensor(&tensor).expect("reserved from the hop");
-                            let found = cpu(|| {
-                                store.buffer.view(offset, spec.byte_length, |b| {
-                                    self.stub.check_input(plan, &tensor, b)
-                                })
-                            })
-                            .map_err(|e| hop_err(Some(&tensor), &e))?
-                            .map_err(|e| hop_err(Some(&tensor), &e))?;
-                            let declared = digests.iter().find(|d| d.tensor == tensor);
-                            if declared.map(|d| d.digest.as_str()) != Some(&found.to_hex()) {
-                                return Err(hop_err(
-                                    Some(&tensor),
-                                    &Classified::new(
-                                        FailureKind::Corrupt,
-                                        "producer's FINISH digest missing or different",
-                                    ),
-                                ));
-                            }
-                            held.reserved.retain(|r| r.0 != hash);
-                            store.lock().ready(&hash);
-                            store.changed.notify_waiters();
-                            held.ready.push(hash);
-                            rec.tensors += 1;
-                            rec.landed_bytes += spec.byte_length;
-                        }
-                        // Cached entries are the stage's inputs too: the fence covers them.
-                        for (offset, tensor) in &held.hits {
-                            let spec = hop.tensor(tensor).expect("hit from the hop");
-                            cpu(|| {
-                                store.buffer.view(*offset, spec.byte_length, |b| {
-                                    self.stub.check_input(plan, tensor, b)
-                                })
-                            })
-                            .map_err(|e| hop_err(Some(tensor), &e))?
-                            .map_err(|e| hop_err(Some(tensor), &e))?;
-                            rec.tensors += 1;
-                        }
-                    }
-                    other => return Err(bad_reply(hop.payload_kind, rid, other)),
-                }
-                times.verified = Some(Instant::now());
-                rec.verify_ms = ms(tv.elapsed());
+                let (held, t) = self
+                    .receive_ec(store, engine, link, plan, hop, rid, t0, &mut rec)
+                    .await?;
+                times = t;
+                rec.verify_ms = ms(times.verify());
                 Box::new(held)
             }
             InMem::Kv(kv) => {
@@ -1137,6 +1071,115 @@ impl StageWorker {
         Ok((told, offsets))
     }
 
+    /// The EC connector's consumer end (prefill): drives an [`EcConsumer`] from the offer
+    /// (already received at `offered`) to every entry verified, moved or cached.
+    #[allow(clippy::too_many_arguments)]
+    async fn receive_ec(
+        &self,
+        store: &Arc<EcStore>,
+        engine: &Arc<Engine>,
+        link: &Link,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        offered: Instant,
+        rec: &mut Received,
+    ) -> Result<(EcHeld, HandoffTimes)> {
+        let hop_err = |tensor: &str, cause: &dyn Cause| {
+            HarnessError::handoff(hop.payload_kind, rid, Some(tensor), cause)
+        };
+        // Entries leave `reserved` only once verified: on any error, the drop of `held`
+        // fails the rest, so nobody caches a bad entry.
+        let mut held = EcHeld {
+            store: store.clone(),
+            engine: engine.clone(),
+            ready: vec![],
+            reserved: vec![],
+            grants: vec![],
+        };
+        let mut m = EcConsumer::new(hop.payload_kind, rid, self.timeout());
+        m.handle_msg(
+            offered,
+            Msg::Offer {
+                request: rid.into(),
+            },
+        );
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    EcConsumerAction::Reserve => {
+                        match self
+                            .reserve_ec(store, engine, plan, hop, rid, &mut held)
+                            .await
+                        {
+                            Ok(entries) => m.granted(Instant::now(), held.grants.clone(), entries),
+                            Err(e) => m.reserve_failed(vec![], e),
+                        }
+                    }
+                    EcConsumerAction::Send(msg) => {
+                        if matches!(msg, Msg::EcReserve { .. }) {
+                            link.send(msg)?;
+                        } else {
+                            let _ = link.send(msg);
+                        }
+                    }
+                    EcConsumerAction::Revoke(grants) => {
+                        for g in &grants {
+                            engine.revoke(g);
+                        }
+                        m.fenced(Instant::now());
+                    }
+                    EcConsumerAction::Verify {
+                        index,
+                        tensor,
+                        offset,
+                        len,
+                    } => {
+                        let found = cpu(|| {
+                            store
+                                .buffer
+                                .view(offset, len, |b| self.stub.check_input(plan, &tensor, b))
+                        });
+                        let found = match found {
+                            Ok(Ok(d)) => Ok(d),
+                            Ok(Err(e)) => Err(hop_err(&tensor, &e)),
+                            Err(e) => Err(hop_err(&tensor, &e)),
+                        };
+                        m.verified(Instant::now(), index, found);
+                    }
+                    EcConsumerAction::Cache { mm_hash } => {
+                        held.reserved.retain(|r| r.0 != mm_hash);
+                        store.lock().ready(&mm_hash);
+                        store.changed.notify_waiters();
+                        held.ready.push(mm_hash);
+                    }
+                    EcConsumerAction::Done => {
+                        for e in m.entries() {
+                            rec.tensors += 1;
+                            if e.grant.is_some() {
+                                rec.landed_bytes += e.len;
+                            } else {
+                                rec.reused_bytes += e.len;
+                            }
+                        }
+                        return Ok((held, m.times()));
+                    }
+                    EcConsumerAction::Failed(e) => return Err(e),
+                }
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
+    /// Takes every mm_hash of the request from the encoder cache: a cached entry is used
+    /// as is (no grant), a missing one reserved, poisoned and granted (held in `held`).
     #[allow(clippy::too_many_arguments)]
     async fn reserve_ec(
         &self,
@@ -1146,10 +1189,9 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
         held: &mut EcHeld,
-        rec: &mut Received,
-    ) -> Result<Vec<EcSlot>> {
+    ) -> Result<Vec<EcEntry>> {
         let deadline = tokio::time::Instant::now() + self.timeout();
-        let mut slots: Vec<EcSlot> = Vec::new();
+        let mut slots: Vec<EcEntry> = Vec::new();
         let mut seen = HashSet::new();
         for item in &plan.mm_items {
             if !seen.insert(item.mm_hash.clone()) {
@@ -1171,11 +1213,11 @@ impl StageWorker {
                 match got {
                     EcAcquire::Hit { offset, .. } => {
                         held.ready.push(item.mm_hash.clone());
-                        held.hits.push((offset, spec.name.clone()));
-                        rec.reused_bytes += spec.byte_length;
-                        slots.push(EcSlot {
+                        slots.push(EcEntry {
                             mm_hash: item.mm_hash.clone(),
                             tensor: spec.name.clone(),
+                            offset,
+                            len: spec.byte_length,
                             grant: None,
                         });
                         break;
@@ -1188,9 +1230,11 @@ impl StageWorker {
                         let g =
                             engine.grant(&store.buffer, offset, spec.byte_length, Access::Write)?;
                         held.grants.push(g.clone());
-                        slots.push(EcSlot {
+                        slots.push(EcEntry {
                             mm_hash: item.mm_hash.clone(),
                             tensor: spec.name.clone(),
+                            offset,
+                            len: spec.byte_length,
                             grant: Some(g),
                         });
                         break;
@@ -1246,49 +1290,114 @@ impl StageWorker {
         {
             return self.send_packet(side, pool, plan, hop, rid, started).await;
         }
-        if let OutMem::Kv(kv) = &side.mem {
-            return self.send_kv(side, kv, plan, hop, rid, started).await;
+        match &side.mem {
+            OutMem::Kv(kv) => self.send_kv(side, kv, plan, hop, rid, started).await,
+            OutMem::Staging(pool) => self.send_ec(side, pool, plan, hop, rid, started).await,
         }
+    }
+
+    /// The EC connector's producer end (the encoder): drives an [`EcProducer`] from the
+    /// offer to FINISH (or the ERROR naming the entry that failed). Entries the consumer
+    /// has cached get no grant and are not moved.
+    async fn send_ec(
+        &self,
+        side: &Side<OutMem>,
+        pool: &Arc<Pool>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        started: Instant,
+    ) -> Result<Sent> {
         let link = &side.end.link;
-        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
-            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
-        };
-        // Outputs exist: offer them, then the hop timeout runs from here.
-        link.send(Msg::Offer {
-            request: rid.into(),
-        })?;
-        let msg = link.recv(rid, self.timeout()).await?;
-        if let Msg::Refuse { cause, kind, .. } = &msg {
-            // What made the consumer refuse (a full pool, ...), else a plain refusal.
-            let kind = match kind {
-                FailureKind::Other => FailureKind::Refused,
-                k => *k,
-            };
-            let cause = Classified::new(kind, format!("consumer refused: {cause}"));
-            return Err(hop_err(None, &cause));
-        }
-        // From here on the consumer waits for FINISH/packet or ERROR: always answer.
+        let engine = &side.end.engine;
+        let mut m = EcProducer::new(
+            Instant::now(),
+            hop.payload_kind,
+            rid,
+            hop.tensors.clone(),
+            self.timeout(),
+        );
         let mut sent = Sent {
             hop: hop.payload_kind.as_str().into(),
             ..Default::default()
         };
-        let result = self
-            .write(side, plan, hop, rid, msg, &mut sent, started)
-            .await;
-        match result {
-            Ok(reply) => {
-                link.send(reply)?;
-                Ok(sent)
+        let mut writes: Vec<(usize, String, Grant)> = Vec::new();
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    EcProducerAction::Send(msg @ Msg::Error { .. }) => {
+                        let _ = link.send(msg);
+                    }
+                    EcProducerAction::Send(msg) => link.send(msg)?,
+                    EcProducerAction::Write {
+                        index,
+                        tensor,
+                        grant,
+                    } => writes.push((index, tensor, grant)),
+                    EcProducerAction::Done => {
+                        // Everything was cached downstream: an empty transfer, now.
+                        if sent.transfer_start_ms.is_none() {
+                            sent.transfer_start_ms = Some(ms(started.elapsed()));
+                        }
+                        return Ok(sent);
+                    }
+                    EcProducerAction::Failed(e) => return Err(e),
+                }
             }
-            Err((failed, e)) => {
-                let _ = link.send(Msg::Error {
-                    request: rid.into(),
-                    failed,
-                    cause: e.to_string(),
-                    kind: e.failure_kind(),
-                    peer: e.failure_peer(),
-                });
-                Err(e)
+            if !writes.is_empty() {
+                // Stage every entry, then write them all in one engine batch.
+                let mut requests = Vec::with_capacity(writes.len());
+                let mut indices = Vec::with_capacity(writes.len());
+                let mut names = Vec::with_capacity(writes.len());
+                let mut leases = Vec::with_capacity(writes.len());
+                let ts = Instant::now();
+                for (index, name, grant) in writes.drain(..) {
+                    match self.stage_tensor(pool, plan, hop, rid, &name, &grant).await {
+                        Ok((lease, len, digest)) => {
+                            m.staged(index, digest);
+                            requests.push(
+                                Request::write(&pool.buffer, lease.offset, &grant, 0, len)
+                                    .tagged(fault_tag(rid, &name)),
+                            );
+                            indices.push(index);
+                            names.push(name);
+                            sent.bytes += len;
+                            leases.push(lease);
+                        }
+                        Err((_, e)) => {
+                            m.stage_failed(index, e);
+                            break;
+                        }
+                    }
+                }
+                sent.stage_ms = ms(ts.elapsed());
+                if m.state() == EcProducerState::Writing {
+                    sent.requests = requests.len();
+                    sent.tensors = indices.len();
+                    let t = Instant::now();
+                    sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                    let r = engine.transfer(requests, Some(self.timeout())).await;
+                    sent.transfer_ms = ms(t.elapsed());
+                    match r {
+                        Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                        Err(e) => {
+                            let k = e.task();
+                            let name = k.and_then(|k| names.get(k)).map(String::as_str);
+                            let err = HarnessError::handoff(hop.payload_kind, rid, name, &e);
+                            m.write_failed(k.and_then(|k| indices.get(k).copied()), err);
+                        }
+                    }
+                }
+                drop(leases);
+                continue;
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
             }
         }
     }
@@ -1543,86 +1652,6 @@ impl StageWorker {
                 Err(e) => m.link_failed(e),
             }
         }
-    }
-
-    /// Produces and writes what the reservation asks for; returns the reply to
-    /// send, or the failed tensors and the error.
-    #[allow(clippy::too_many_arguments)]
-    async fn write(
-        &self,
-        side: &Side<OutMem>,
-        plan: &RequestPlan,
-        hop: &Hop,
-        rid: &str,
-        msg: Msg,
-        sent: &mut Sent,
-        started: Instant,
-    ) -> std::result::Result<Msg, (Vec<String>, HarnessError)> {
-        let engine = &side.end.engine;
-        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
-            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
-        };
-        let mut requests = Vec::new();
-        let mut names: Vec<String> = Vec::new();
-        let mut leases = Vec::new();
-        // (tensor, digest) of each staged tensor.
-        let mut staged: Vec<(String, Digest128)> = Vec::new();
-        let ts = Instant::now();
-        match (&side.mem, msg) {
-            (OutMem::Staging(pool), Msg::EcReserve { slots, .. }) => {
-                for s in slots {
-                    let Some(g) = s.grant else { continue };
-                    let (lease, len, d) = self
-                        .stage_tensor(pool, plan, hop, rid, &s.tensor, &g)
-                        .await?;
-                    requests.push(
-                        Request::write(&pool.buffer, lease.offset, &g, 0, len)
-                            .tagged(fault_tag(rid, &s.tensor)),
-                    );
-                    names.push(s.tensor.clone());
-                    staged.push((s.tensor, d));
-                    sent.bytes += len;
-                    leases.push(lease);
-                }
-            }
-            (_, other) => {
-                return Err((
-                    vec![],
-                    hop_err(None, &format!("unexpected {} message", other.name())),
-                ));
-            }
-        };
-        sent.stage_ms = ms(ts.elapsed());
-        sent.requests = requests.len();
-        if sent.tensors == 0 {
-            sent.tensors = staged.len();
-        }
-        let t = Instant::now();
-        sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-        if !requests.is_empty() {
-            engine
-                .transfer(requests, Some(self.timeout()))
-                .await
-                .map_err(|e| {
-                    let failed = e.task().and_then(|i| names.get(i).cloned());
-                    (
-                        failed.clone().into_iter().collect(),
-                        hop_err(failed.as_deref(), &e),
-                    )
-                })?;
-        }
-        sent.transfer_ms = ms(t.elapsed());
-        drop(leases);
-        Ok(Msg::Finish {
-            request: rid.into(),
-            digests: staged
-                .into_iter()
-                .map(|(tensor, d)| NamedDigest {
-                    tensor,
-                    digest: d.to_hex(),
-                })
-                .collect(),
-        })
     }
 
     /// Reserves staging space for output `name`, produces it there, and digests it.
