@@ -947,4 +947,45 @@ mod tests {
             other => panic!("{other:?}"),
         }
     }
+
+    #[test]
+    fn a_decode_that_withdraws_mid_write_gets_no_finish() {
+        let mut p = Pair::new(0, vec![1, 2, 3, 4, 5]);
+        p.run_until_writing();
+        // Decode gives up (its grants revoked) while prefill's writes are in flight.
+        p.consumer.link_failed(HarnessError::handoff(
+            KIND,
+            "r1",
+            None,
+            &Classified::new(FailureKind::TimedOut, "gave up"),
+        ));
+        p.pump();
+        assert_eq!(p.revoked.len(), 2 * LAYERS as usize);
+        p.producer.handle_msg(
+            p.now,
+            Msg::Refuse {
+                request: "r1".into(),
+                cause: "gave up".into(),
+                kind: FailureKind::TimedOut,
+            },
+        );
+        p.pump();
+        assert!(
+            p.producer_end.is_none(),
+            "ended with writes still in flight"
+        );
+        // The writes settle (landing or failing against revoked grants): no FINISH.
+        p.complete_writes();
+        assert!(
+            p.to_consumer.is_empty(),
+            "FINISH announced writes into revoked grants"
+        );
+        match &p.producer_end {
+            Some(Err(e)) => {
+                assert_eq!(e.failure_kind(), FailureKind::TimedOut);
+                assert!(e.to_string().contains("consumer withdrew"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
