@@ -18,6 +18,9 @@
 //! 5. the consumer revokes its grants (the fence: nothing lands after this), checks the
 //!    sidecar, then verifies each tensor's landed bytes against the sidecar's digest.
 
+pub mod ec;
+pub mod kv;
+
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 

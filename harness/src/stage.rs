@@ -20,14 +20,16 @@ use omnirig_transports::{Access, Buffer, Engine, Grant, Request, Usage};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use crate::control::{Link, Msg, NamedDigest};
-use crate::ec::{EcAcquire, EcSlot, EncoderCache};
+use crate::control::{Link, Msg};
+use crate::ec::{EcAcquire, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
-use crate::kv::{
-    BlockPool, KvGeometry, KvGrant, KvReservation, block_hash, contiguous_runs, plan_kv_writes,
-};
+use crate::kv::{BlockPool, KvGeometry, block_hash, contiguous_runs};
 use crate::pool::{Lease, Pool};
+use crate::protocol::ec::{
+    EcConsumer, EcConsumerAction, EcEntry, EcProducer, EcProducerAction, EcProducerState,
+};
+use crate::protocol::kv::{KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, kv_tensor};
 use crate::protocol::{
     ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, ProducerState,
     bad_reply,
@@ -367,8 +369,6 @@ struct EcHeld {
     ready: Vec<String>,
     /// (mm_hash, offset, tensor) reserved and not yet verified.
     reserved: Vec<(String, u64, String)>,
-    /// (offset, tensor) of cache hits, checked again before the stage starts.
-    hits: Vec<(u64, String)>,
     grants: Vec<Grant>,
 }
 
@@ -665,30 +665,6 @@ impl StageWorker {
         Ok(())
     }
 
-    /// Waits for the producer's reply to a reservation, then revokes every grant it carried:
-    /// the fence, so nothing lands after this. A `grant_revoked` fault revokes them at once
-    /// instead, before the producer can use them.
-    async fn await_reply(
-        &self,
-        link: &Link,
-        engine: &Engine,
-        rid: &str,
-        grants: &mut Vec<Grant>,
-        fault: Option<HarnessFault>,
-    ) -> (Result<Msg>, Instant) {
-        if fault == Some(HarnessFault::GrantRevoked) {
-            for g in grants.iter() {
-                engine.revoke(g);
-            }
-        }
-        let reply = link.recv(rid, self.timeout()).await;
-        let replied = Instant::now();
-        for g in grants.drain(..) {
-            engine.revoke(&g);
-        }
-        (reply, replied)
-    }
-
     /// The connector fault scripted for this hop and request, if any.
     fn fault(&self, hop: &Hop, rid: &str) -> Option<HarnessFault> {
         self.cfg
@@ -742,81 +718,14 @@ impl StageWorker {
             start_ms: Some(ms(t0.duration_since(started))),
             ..Default::default()
         };
-        let mut times = HandoffTimes {
-            offered: Some(t0),
-            ..Default::default()
-        };
+        let times: HandoffTimes;
         let held: Held = match &side.mem {
             InMem::Ec(store) => {
-                let mut held = EcHeld {
-                    store: store.clone(),
-                    engine: engine.clone(),
-                    ready: vec![],
-                    reserved: vec![],
-                    hits: vec![],
-                    grants: vec![],
-                };
-                let slots = self
-                    .reserve_ec(store, engine, plan, hop, rid, &mut held, &mut rec)
-                    .await
-                    .map_err(refuse)?;
-                link.send(Msg::EcReserve {
-                    request: rid.into(),
-                    slots,
-                })?;
-                times.granted = Some(Instant::now());
-                let reply = link.recv(rid, self.timeout()).await;
-                times.replied = Some(Instant::now());
-                held.revoke();
-                let tv = Instant::now();
-                times.fenced = Some(tv);
-                match reply? {
-                    Msg::Finish { digests, .. } => {
-                        // Entries leave `reserved` only once verified: on any error, the
-                        // drop of `held` fails the rest, so nobody caches a bad entry.
-                        for (hash, offset, tensor) in held.reserved.clone() {
-                            let spec = hop.tensor(&tensor).expect("reserved from the hop");
-                            let found = cpu(|| {
-                                store.buffer.view(offset, spec.byte_length, |b| {
-                                    self.stub.check_input(plan, &tensor, b)
-                                })
-                            })
-                            .map_err(|e| hop_err(Some(&tensor), &e))?
-                            .map_err(|e| hop_err(Some(&tensor), &e))?;
-                            let declared = digests.iter().find(|d| d.tensor == tensor);
-                            if declared.map(|d| d.digest.as_str()) != Some(&found.to_hex()) {
-                                return Err(hop_err(
-                                    Some(&tensor),
-                                    &Classified::new(
-                                        FailureKind::Corrupt,
-                                        "producer's FINISH digest missing or different",
-                                    ),
-                                ));
-                            }
-                            held.reserved.retain(|r| r.0 != hash);
-                            store.lock().ready(&hash);
-                            store.changed.notify_waiters();
-                            held.ready.push(hash);
-                            rec.tensors += 1;
-                            rec.landed_bytes += spec.byte_length;
-                        }
-                        // Cached entries are the stage's inputs too: the fence covers them.
-                        for (offset, tensor) in &held.hits {
-                            let spec = hop.tensor(tensor).expect("hit from the hop");
-                            cpu(|| {
-                                store.buffer.view(*offset, spec.byte_length, |b| {
-                                    self.stub.check_input(plan, tensor, b)
-                                })
-                            })
-                            .map_err(|e| hop_err(Some(tensor), &e))?
-                            .map_err(|e| hop_err(Some(tensor), &e))?;
-                            rec.tensors += 1;
-                        }
-                    }
-                    other => return Err(bad_reply(hop.payload_kind, rid, other)),
-                }
-                times.verified = Some(Instant::now());
-                rec.verify_ms = ms(tv.elapsed());
+                let (held, t) = self
+                    .receive_ec(store, engine, link, plan, hop, rid, t0, &mut rec)
+                    .await?;
+                times = t;
+                rec.verify_ms = ms(times.verify());
                 Box::new(held)
             }
             InMem::Kv(kv) => {
@@ -824,122 +733,14 @@ impl StageWorker {
                     .kv
                     .as_ref()
                     .ok_or_else(|| hop_err(None, &"no KV layout"))?;
-                let n = layout.num_blocks as usize;
-                let full = (layout.tokens / layout.block_tokens) as usize;
-                // At least one block always moves (the last token is recomputed).
-                let hashes: Vec<_> = (0..full.min(n.saturating_sub(1)) as u64)
-                    .map(|i| block_hash(plan.seed, i))
-                    .collect();
-                let hit = if self.cfg.prefix_cache {
-                    kv.lock().lookup_prefix(&hashes)
-                } else {
-                    vec![]
-                };
-                let mut held = KvHeld {
-                    kv: kv.clone(),
-                    engine: engine.clone(),
-                    blocks: hit,
-                    grants: vec![],
-                };
-                let first_block = held.blocks.len() as u32;
-                let fault = self.fault(hop, rid);
-                // An exhausted pool: ask for more blocks than it will ever have.
-                let want = match fault {
-                    Some(HarnessFault::PoolExhausted) => kv.geo.capacity as usize + 1,
-                    _ => n - held.blocks.len(),
-                };
-                let tail = kv
-                    .alloc(want, self.timeout())
-                    .await
-                    .map_err(|e| refuse(hop_err(None, &e)))?;
-                held.blocks.extend_from_slice(&tail);
-                let bb = kv.geo.block_bytes;
-                let mut grants = Vec::new();
-                for layer in 0..layout.num_layers {
-                    for v in [false, true] {
-                        for (start, id, len) in contiguous_runs(&tail) {
-                            let bytes = u64::from(len) * bb;
-                            let short = fault == Some(HarnessFault::GrantOutOfBounds);
-                            let g = engine
-                                .grant(
-                                    &kv.buffer,
-                                    kv.geo.offset(layer, v, id),
-                                    if short { bytes - 1 } else { bytes },
-                                    Access::Write,
-                                )
-                                .map_err(|e| refuse(hop_err(None, &e)))?;
-                            held.grants.push(g.clone());
-                            // Out of bounds: the producer is told one byte more than granted.
-                            let told = Grant { len: bytes, ..g };
-                            grants.push(KvGrant {
-                                layer,
-                                v,
-                                start,
-                                len,
-                                grant: told,
-                            });
-                        }
-                    }
-                }
-                link.send(Msg::KvReserve {
-                    request: rid.into(),
-                    reservation: KvReservation {
-                        first_block,
-                        dst_blocks: tail.clone(),
-                        grants,
-                    },
-                })?;
-                times.granted = Some(Instant::now());
-                let (reply, replied) = self
-                    .await_reply(link, engine, rid, &mut held.grants, fault)
-                    .await;
-                times.replied = Some(replied);
-                let tv = Instant::now();
-                times.fenced = Some(tv);
-                match reply? {
-                    Msg::Finish { .. } => {
-                        // Every block the stage will use, reused ones included.
-                        cpu(|| -> Result<()> {
-                            for layer in 0..layout.num_layers {
-                                for v in [false, true] {
-                                    let name = if v {
-                                        KvLayout::v_name(layer)
-                                    } else {
-                                        KvLayout::k_name(layer)
-                                    };
-                                    let digests = held
-                                        .blocks
-                                        .iter()
-                                        .map(|&b| {
-                                            kv.buffer.view(
-                                                kv.geo.offset(layer, v, b),
-                                                bb,
-                                                Digest128::of_bytes,
-                                            )
-                                        })
-                                        .collect::<std::result::Result<Vec<_>, _>>()
-                                        .map_err(|e| hop_err(Some(&name), &e))?;
-                                    self.stub
-                                        .check_kv_blocks(plan, &name, &digests)
-                                        .map_err(|e| hop_err(Some(&name), &e))?;
-                                }
-                            }
-                            Ok(())
-                        })?;
-                        if self.cfg.prefix_cache {
-                            let mut pool = kv.lock();
-                            for (i, &b) in held.blocks.iter().enumerate().take(full) {
-                                pool.commit(b, block_hash(plan.seed, i as u64));
-                            }
-                        }
-                    }
-                    other => return Err(bad_reply(hop.payload_kind, rid, other)),
-                }
-                times.verified = Some(Instant::now());
-                rec.verify_ms = ms(tv.elapsed());
-                let per_block = 2 * u64::from(layout.num_layers) * bb;
+                let (held, t, first_block, moved) = self
+                    .receive_kv(kv, engine, link, plan, hop, layout, rid, t0)
+                    .await?;
+                times = t;
+                rec.verify_ms = ms(times.verify());
+                let per_block = 2 * u64::from(layout.num_layers) * kv.geo.block_bytes;
                 rec.tensors = hop.tensors.len();
-                rec.landed_bytes = tail.len() as u64 * per_block;
+                rec.landed_bytes = moved as u64 * per_block;
                 rec.reused_bytes = u64::from(first_block) * per_block;
                 Box::new(held)
             }
@@ -1055,6 +856,171 @@ impl StageWorker {
         }
     }
 
+    /// The KV connector's consumer end (decode): drives a [`KvConsumer`] from the offer
+    /// (already received at `offered`) to every block verified. Returns what the request
+    /// holds, the handoff's times, the prefix-hit block count and how many blocks moved.
+    #[allow(clippy::too_many_arguments)]
+    async fn receive_kv(
+        &self,
+        kv: &Arc<PagedKv>,
+        engine: &Arc<Engine>,
+        link: &Link,
+        plan: &RequestPlan,
+        hop: &Hop,
+        layout: &KvLayout,
+        rid: &str,
+        offered: Instant,
+    ) -> Result<(KvHeld, HandoffTimes, u32, usize)> {
+        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
+            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
+        };
+        let n = layout.num_blocks as usize;
+        let full = (layout.tokens / layout.block_tokens) as usize;
+        let bb = kv.geo.block_bytes;
+        let fault = self.fault(hop, rid);
+        let mut held = KvHeld {
+            kv: kv.clone(),
+            engine: engine.clone(),
+            blocks: vec![],
+            grants: vec![],
+        };
+        let mut m = KvConsumer::new(
+            hop.payload_kind,
+            rid,
+            layout.num_layers,
+            layout.num_blocks,
+            self.timeout(),
+        );
+        m.handle_msg(
+            offered,
+            Msg::Offer {
+                request: rid.into(),
+            },
+        );
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    KvConsumerAction::Reserve => {
+                        // At least one block always moves (the last token is recomputed).
+                        let hashes: Vec<_> = (0..full.min(n.saturating_sub(1)) as u64)
+                            .map(|i| block_hash(plan.seed, i))
+                            .collect();
+                        if self.cfg.prefix_cache {
+                            held.blocks = kv.lock().lookup_prefix(&hashes);
+                        }
+                        let first_block = held.blocks.len() as u32;
+                        // An exhausted pool: ask for more blocks than it will ever have.
+                        let want = match fault {
+                            Some(HarnessFault::PoolExhausted) => kv.geo.capacity as usize + 1,
+                            _ => n - held.blocks.len(),
+                        };
+                        match kv.alloc(want, self.timeout()).await {
+                            Ok(tail) => {
+                                held.blocks.extend_from_slice(&tail);
+                                m.blocks(first_block, tail, vec![]);
+                            }
+                            Err(e) => m.reserve_failed(vec![], hop_err(None, &e)),
+                        }
+                    }
+                    KvConsumerAction::Grant(runs) => {
+                        let mut told = Vec::with_capacity(runs.len());
+                        let mut failed = None;
+                        for r in &runs {
+                            let bytes = u64::from(r.len) * bb;
+                            let short = fault == Some(HarnessFault::GrantOutOfBounds);
+                            match engine.grant(
+                                &kv.buffer,
+                                kv.geo.offset(r.layer, r.v, r.block),
+                                if short { bytes - 1 } else { bytes },
+                                Access::Write,
+                            ) {
+                                Ok(g) => {
+                                    held.grants.push(g.clone());
+                                    // Out of bounds: prefill is told one byte more than granted.
+                                    told.push(Grant { len: bytes, ..g });
+                                }
+                                Err(e) => {
+                                    failed = Some(hop_err(None, &e));
+                                    break;
+                                }
+                            }
+                        }
+                        match failed {
+                            None => m.granted(Instant::now(), held.grants.clone(), told),
+                            Some(e) => m.reserve_failed(vec![], e),
+                        }
+                    }
+                    KvConsumerAction::Send(msg) => {
+                        let reserve = matches!(msg, Msg::KvReserve { .. });
+                        if reserve {
+                            link.send(msg)?;
+                        } else {
+                            let _ = link.send(msg);
+                        }
+                        // A revoked grant: revoked at once, before prefill can use it.
+                        if reserve && fault == Some(HarnessFault::GrantRevoked) {
+                            for g in &held.grants {
+                                engine.revoke(g);
+                            }
+                        }
+                    }
+                    KvConsumerAction::Revoke(grants) => {
+                        for g in &grants {
+                            engine.revoke(g);
+                        }
+                        m.fenced(Instant::now());
+                    }
+                    KvConsumerAction::Verify => {
+                        // Every block the stage will use, reused ones included.
+                        let found = cpu(|| -> Result<()> {
+                            for layer in 0..layout.num_layers {
+                                for v in [false, true] {
+                                    let name = kv_tensor(layer, v);
+                                    let digests = held
+                                        .blocks
+                                        .iter()
+                                        .map(|&b| {
+                                            kv.buffer.view(
+                                                kv.geo.offset(layer, v, b),
+                                                bb,
+                                                Digest128::of_bytes,
+                                            )
+                                        })
+                                        .collect::<std::result::Result<Vec<_>, _>>()
+                                        .map_err(|e| hop_err(Some(&name), &e))?;
+                                    self.stub
+                                        .check_kv_blocks(plan, &name, &digests)
+                                        .map_err(|e| hop_err(Some(&name), &e))?;
+                                }
+                            }
+                            Ok(())
+                        });
+                        if found.is_ok() && self.cfg.prefix_cache {
+                            let mut pool = kv.lock();
+                            for (i, &b) in held.blocks.iter().enumerate().take(full) {
+                                pool.commit(b, block_hash(plan.seed, i as u64));
+                            }
+                        }
+                        m.verified(Instant::now(), found);
+                    }
+                    KvConsumerAction::Done => {
+                        let (first, moved) = (m.first_block(), m.tail().len());
+                        return Ok((held, m.times(), first, moved));
+                    }
+                    KvConsumerAction::Failed(e) => return Err(e),
+                }
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
     /// Reserves and grants a destination per tensor of a stage-packet hop (held in
     /// `held`); returns the grants to tell the producer and where each tensor lands.
     async fn reserve_packet(
@@ -1105,6 +1071,115 @@ impl StageWorker {
         Ok((told, offsets))
     }
 
+    /// The EC connector's consumer end (prefill): drives an [`EcConsumer`] from the offer
+    /// (already received at `offered`) to every entry verified, moved or cached.
+    #[allow(clippy::too_many_arguments)]
+    async fn receive_ec(
+        &self,
+        store: &Arc<EcStore>,
+        engine: &Arc<Engine>,
+        link: &Link,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        offered: Instant,
+        rec: &mut Received,
+    ) -> Result<(EcHeld, HandoffTimes)> {
+        let hop_err = |tensor: &str, cause: &dyn Cause| {
+            HarnessError::handoff(hop.payload_kind, rid, Some(tensor), cause)
+        };
+        // Entries leave `reserved` only once verified: on any error, the drop of `held`
+        // fails the rest, so nobody caches a bad entry.
+        let mut held = EcHeld {
+            store: store.clone(),
+            engine: engine.clone(),
+            ready: vec![],
+            reserved: vec![],
+            grants: vec![],
+        };
+        let mut m = EcConsumer::new(hop.payload_kind, rid, self.timeout());
+        m.handle_msg(
+            offered,
+            Msg::Offer {
+                request: rid.into(),
+            },
+        );
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    EcConsumerAction::Reserve => {
+                        match self
+                            .reserve_ec(store, engine, plan, hop, rid, &mut held)
+                            .await
+                        {
+                            Ok(entries) => m.granted(Instant::now(), held.grants.clone(), entries),
+                            Err(e) => m.reserve_failed(vec![], e),
+                        }
+                    }
+                    EcConsumerAction::Send(msg) => {
+                        if matches!(msg, Msg::EcReserve { .. }) {
+                            link.send(msg)?;
+                        } else {
+                            let _ = link.send(msg);
+                        }
+                    }
+                    EcConsumerAction::Revoke(grants) => {
+                        for g in &grants {
+                            engine.revoke(g);
+                        }
+                        m.fenced(Instant::now());
+                    }
+                    EcConsumerAction::Verify {
+                        index,
+                        tensor,
+                        offset,
+                        len,
+                    } => {
+                        let found = cpu(|| {
+                            store
+                                .buffer
+                                .view(offset, len, |b| self.stub.check_input(plan, &tensor, b))
+                        });
+                        let found = match found {
+                            Ok(Ok(d)) => Ok(d),
+                            Ok(Err(e)) => Err(hop_err(&tensor, &e)),
+                            Err(e) => Err(hop_err(&tensor, &e)),
+                        };
+                        m.verified(Instant::now(), index, found);
+                    }
+                    EcConsumerAction::Cache { mm_hash } => {
+                        held.reserved.retain(|r| r.0 != mm_hash);
+                        store.lock().ready(&mm_hash);
+                        store.changed.notify_waiters();
+                        held.ready.push(mm_hash);
+                    }
+                    EcConsumerAction::Done => {
+                        for e in m.entries() {
+                            rec.tensors += 1;
+                            if e.grant.is_some() {
+                                rec.landed_bytes += e.len;
+                            } else {
+                                rec.reused_bytes += e.len;
+                            }
+                        }
+                        return Ok((held, m.times()));
+                    }
+                    EcConsumerAction::Failed(e) => return Err(e),
+                }
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
+    /// Takes every mm_hash of the request from the encoder cache: a cached entry is used
+    /// as is (no grant), a missing one reserved, poisoned and granted (held in `held`).
     #[allow(clippy::too_many_arguments)]
     async fn reserve_ec(
         &self,
@@ -1114,10 +1189,9 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
         held: &mut EcHeld,
-        rec: &mut Received,
-    ) -> Result<Vec<EcSlot>> {
+    ) -> Result<Vec<EcEntry>> {
         let deadline = tokio::time::Instant::now() + self.timeout();
-        let mut slots: Vec<EcSlot> = Vec::new();
+        let mut slots: Vec<EcEntry> = Vec::new();
         let mut seen = HashSet::new();
         for item in &plan.mm_items {
             if !seen.insert(item.mm_hash.clone()) {
@@ -1139,11 +1213,11 @@ impl StageWorker {
                 match got {
                     EcAcquire::Hit { offset, .. } => {
                         held.ready.push(item.mm_hash.clone());
-                        held.hits.push((offset, spec.name.clone()));
-                        rec.reused_bytes += spec.byte_length;
-                        slots.push(EcSlot {
+                        slots.push(EcEntry {
                             mm_hash: item.mm_hash.clone(),
                             tensor: spec.name.clone(),
+                            offset,
+                            len: spec.byte_length,
                             grant: None,
                         });
                         break;
@@ -1156,9 +1230,11 @@ impl StageWorker {
                         let g =
                             engine.grant(&store.buffer, offset, spec.byte_length, Access::Write)?;
                         held.grants.push(g.clone());
-                        slots.push(EcSlot {
+                        slots.push(EcEntry {
                             mm_hash: item.mm_hash.clone(),
                             tensor: spec.name.clone(),
+                            offset,
+                            len: spec.byte_length,
                             grant: Some(g),
                         });
                         break;
@@ -1214,112 +1290,262 @@ impl StageWorker {
         {
             return self.send_packet(side, pool, plan, hop, rid, started).await;
         }
+        match &side.mem {
+            OutMem::Kv(kv) => self.send_kv(side, kv, plan, hop, rid, started).await,
+            OutMem::Staging(pool) => self.send_ec(side, pool, plan, hop, rid, started).await,
+        }
+    }
+
+    /// The EC connector's producer end (the encoder): drives an [`EcProducer`] from the
+    /// offer to FINISH (or the ERROR naming the entry that failed). Entries the consumer
+    /// has cached get no grant and are not moved.
+    async fn send_ec(
+        &self,
+        side: &Side<OutMem>,
+        pool: &Arc<Pool>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        started: Instant,
+    ) -> Result<Sent> {
+        let link = &side.end.link;
+        let engine = &side.end.engine;
+        let mut m = EcProducer::new(
+            Instant::now(),
+            hop.payload_kind,
+            rid,
+            hop.tensors.clone(),
+            self.timeout(),
+        );
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        let mut writes: Vec<(usize, String, Grant)> = Vec::new();
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    EcProducerAction::Send(msg @ Msg::Error { .. }) => {
+                        let _ = link.send(msg);
+                    }
+                    EcProducerAction::Send(msg) => link.send(msg)?,
+                    EcProducerAction::Write {
+                        index,
+                        tensor,
+                        grant,
+                    } => writes.push((index, tensor, grant)),
+                    EcProducerAction::Done => {
+                        // Everything was cached downstream: an empty transfer, now.
+                        if sent.transfer_start_ms.is_none() {
+                            sent.transfer_start_ms = Some(ms(started.elapsed()));
+                        }
+                        return Ok(sent);
+                    }
+                    EcProducerAction::Failed(e) => return Err(e),
+                }
+            }
+            if !writes.is_empty() {
+                // Stage every entry, then write them all in one engine batch.
+                let mut requests = Vec::with_capacity(writes.len());
+                let mut indices = Vec::with_capacity(writes.len());
+                let mut names = Vec::with_capacity(writes.len());
+                let mut leases = Vec::with_capacity(writes.len());
+                let ts = Instant::now();
+                for (index, name, grant) in writes.drain(..) {
+                    match self.stage_tensor(pool, plan, hop, rid, &name, &grant).await {
+                        Ok((lease, len, digest)) => {
+                            m.staged(index, digest);
+                            requests.push(
+                                Request::write(&pool.buffer, lease.offset, &grant, 0, len)
+                                    .tagged(fault_tag(rid, &name)),
+                            );
+                            indices.push(index);
+                            names.push(name);
+                            sent.bytes += len;
+                            leases.push(lease);
+                        }
+                        Err((_, e)) => {
+                            m.stage_failed(index, e);
+                            break;
+                        }
+                    }
+                }
+                sent.stage_ms = ms(ts.elapsed());
+                if m.state() == EcProducerState::Writing {
+                    sent.requests = requests.len();
+                    sent.tensors = indices.len();
+                    let t = Instant::now();
+                    sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                    let r = engine.transfer(requests, Some(self.timeout())).await;
+                    sent.transfer_ms = ms(t.elapsed());
+                    match r {
+                        Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                        Err(e) => {
+                            let k = e.task();
+                            let name = k.and_then(|k| names.get(k)).map(String::as_str);
+                            let err = HarnessError::handoff(hop.payload_kind, rid, name, &e);
+                            m.write_failed(k.and_then(|k| indices.get(k).copied()), err);
+                        }
+                    }
+                }
+                drop(leases);
+                continue;
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
+            }
+        }
+    }
+
+    /// The KV connector's producer end (prefill): fills its blocks (its compute's output,
+    /// there before decode asks for it), then drives a [`KvProducer`] from the offer to
+    /// FINISH (or the ERROR naming the blocks whose write failed).
+    async fn send_kv(
+        &self,
+        side: &Side<OutMem>,
+        kv: &Arc<PagedKv>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+        started: Instant,
+    ) -> Result<Sent> {
         let link = &side.end.link;
         let engine = &side.end.engine;
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
         };
-        // Prefill's KV is its compute's output: it exists before decode asks for it.
-        let kv_blocks = match &side.mem {
-            OutMem::Kv(kv) => {
-                let layout = hop
-                    .kv
-                    .as_ref()
-                    .ok_or_else(|| hop_err(None, &"no KV layout"))?;
-                let blocks = kv
-                    .alloc(layout.num_blocks as usize, self.timeout())
-                    .await
-                    .map_err(|e| hop_err(None, &e));
-                let blocks = match blocks {
-                    Ok(b) => b,
-                    Err(e) => {
-                        self.abort_outbound(rid, plan, &e).await;
-                        return Err(e);
-                    }
-                };
-                let held = KvHeld {
-                    kv: kv.clone(),
-                    engine: engine.clone(),
-                    blocks,
-                    grants: vec![],
-                };
-                let bb = kv.geo.block_bytes;
-                let fill = || -> Result<()> {
-                    for layer in 0..layout.num_layers {
-                        for v in [false, true] {
-                            let name = if v {
-                                KvLayout::v_name(layer)
-                            } else {
-                                KvLayout::k_name(layer)
-                            };
-                            let spec = hop
-                                .tensor(&name)
-                                .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
-                            for (i, &b) in held.blocks.iter().enumerate() {
-                                kv.buffer
-                                    .fill(kv.geo.offset(layer, v, b), bb, |out| {
-                                        self.stub.produce(plan, spec, i as u64 * bb, out)
-                                    })
-                                    .map_err(|e| hop_err(Some(&name), &e))?
-                                    .map_err(|e| hop_err(Some(&name), &e))?;
-                            }
-                        }
-                    }
-                    Ok(())
-                };
-                if let Err(e) = cpu(fill) {
-                    self.abort_outbound(rid, plan, &e).await;
-                    return Err(e);
-                }
-                Some(held)
+        let layout = hop
+            .kv
+            .as_ref()
+            .ok_or_else(|| hop_err(None, &"no KV layout"))?;
+        let blocks = kv
+            .alloc(layout.num_blocks as usize, self.timeout())
+            .await
+            .map_err(|e| hop_err(None, &e));
+        let blocks = match blocks {
+            Ok(b) => b,
+            Err(e) => {
+                self.abort_outbound(rid, plan, &e).await;
+                return Err(e);
             }
-            OutMem::Staging(_) => None,
         };
-        // Outputs exist: offer them, then the hop timeout runs from here.
-        link.send(Msg::Offer {
-            request: rid.into(),
-        })?;
-        let msg = link.recv(rid, self.timeout()).await?;
-        if let Msg::Refuse { cause, kind, .. } = &msg {
-            // What made the consumer refuse (a full pool, ...), else a plain refusal.
-            let kind = match kind {
-                FailureKind::Other => FailureKind::Refused,
-                k => *k,
-            };
-            let cause = Classified::new(kind, format!("consumer refused: {cause}"));
-            return Err(hop_err(None, &cause));
+        let held = KvHeld {
+            kv: kv.clone(),
+            engine: engine.clone(),
+            blocks,
+            grants: vec![],
+        };
+        let bb = kv.geo.block_bytes;
+        let fill = || -> Result<()> {
+            for layer in 0..layout.num_layers {
+                for v in [false, true] {
+                    let name = if v {
+                        KvLayout::v_name(layer)
+                    } else {
+                        KvLayout::k_name(layer)
+                    };
+                    let spec = hop
+                        .tensor(&name)
+                        .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
+                    for (i, &b) in held.blocks.iter().enumerate() {
+                        kv.buffer
+                            .fill(kv.geo.offset(layer, v, b), bb, |out| {
+                                self.stub.produce(plan, spec, i as u64 * bb, out)
+                            })
+                            .map_err(|e| hop_err(Some(&name), &e))?
+                            .map_err(|e| hop_err(Some(&name), &e))?;
+                    }
+                }
+            }
+            Ok(())
+        };
+        if let Err(e) = cpu(fill) {
+            self.abort_outbound(rid, plan, &e).await;
+            return Err(e);
         }
-        // From here on the consumer waits for FINISH/packet or ERROR: always answer.
+        let mut m = KvProducer::new(
+            Instant::now(),
+            hop.payload_kind,
+            rid,
+            held.blocks.clone(),
+            kv.geo.num_layers,
+            bb,
+            self.timeout(),
+        );
         let mut sent = Sent {
             hop: hop.payload_kind.as_str().into(),
+            tensors: hop.tensors.len(),
             ..Default::default()
         };
-        let result = self
-            .write(
-                side,
-                plan,
-                hop,
-                rid,
-                msg,
-                kv_blocks.as_ref(),
-                &mut sent,
-                started,
-            )
-            .await;
-        match result {
-            Ok(reply) => {
-                link.send(reply)?;
-                Ok(sent)
+        let mut writes = Vec::new();
+        loop {
+            while let Some(action) = m.poll_action() {
+                match action {
+                    KvProducerAction::Send(msg @ Msg::Error { .. }) => {
+                        let _ = link.send(msg);
+                    }
+                    KvProducerAction::Send(msg) => link.send(msg)?,
+                    KvProducerAction::Write {
+                        index,
+                        write,
+                        grant,
+                        len,
+                        name,
+                    } => writes.push((index, write, grant, len, name)),
+                    KvProducerAction::Done => return Ok(sent),
+                    KvProducerAction::Failed(e) => return Err(e),
+                }
             }
-            Err((failed, e)) => {
-                let _ = link.send(Msg::Error {
-                    request: rid.into(),
-                    failed,
-                    cause: e.to_string(),
-                    kind: e.failure_kind(),
-                    peer: e.failure_peer(),
-                });
-                Err(e)
+            if !writes.is_empty() {
+                // Every run contiguous on both sides is one request, all in one batch.
+                let ts = Instant::now();
+                let mut requests = Vec::with_capacity(writes.len());
+                let mut indices = Vec::with_capacity(writes.len());
+                let mut names = Vec::with_capacity(writes.len());
+                for (index, w, grant, len, name) in writes.drain(..) {
+                    requests.push(
+                        Request::write(
+                            &kv.buffer,
+                            kv.geo.offset(w.layer, w.v, w.run.src),
+                            &grant,
+                            w.grant_offset,
+                            len,
+                        )
+                        .tagged(fault_tag(rid, &kv_tensor(w.layer, w.v))),
+                    );
+                    indices.push(index);
+                    names.push(name);
+                    sent.bytes += len;
+                }
+                sent.stage_ms = ms(ts.elapsed());
+                sent.requests = requests.len();
+                let t = Instant::now();
+                sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                let r = engine.transfer(requests, Some(self.timeout())).await;
+                sent.transfer_ms = ms(t.elapsed());
+                match r {
+                    Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                    Err(e) => {
+                        let k = e.task();
+                        let name = k.and_then(|k| names.get(k)).map(String::as_str);
+                        let err = hop_err(name, &e);
+                        m.write_failed(k.and_then(|k| indices.get(k).copied()), err);
+                    }
+                }
+                continue;
+            }
+            let wait = m
+                .poll_timeout()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|| self.timeout());
+            match link.recv(rid, wait).await {
+                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Err(e) => m.link_failed(e),
             }
         }
     }
@@ -1426,118 +1652,6 @@ impl StageWorker {
                 Err(e) => m.link_failed(e),
             }
         }
-    }
-
-    /// Produces and writes what the reservation asks for; returns the reply to
-    /// send, or the failed tensors and the error.
-    #[allow(clippy::too_many_arguments)]
-    async fn write(
-        &self,
-        side: &Side<OutMem>,
-        plan: &RequestPlan,
-        hop: &Hop,
-        rid: &str,
-        msg: Msg,
-        kv_held: Option<&KvHeld>,
-        sent: &mut Sent,
-        started: Instant,
-    ) -> std::result::Result<Msg, (Vec<String>, HarnessError)> {
-        let engine = &side.end.engine;
-        let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
-            HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
-        };
-        let mut requests = Vec::new();
-        let mut names: Vec<String> = Vec::new();
-        let mut leases = Vec::new();
-        // (tensor, digest) of each staged tensor.
-        let mut staged: Vec<(String, Digest128)> = Vec::new();
-        let ts = Instant::now();
-        match (&side.mem, msg) {
-            (OutMem::Staging(pool), Msg::EcReserve { slots, .. }) => {
-                for s in slots {
-                    let Some(g) = s.grant else { continue };
-                    let (lease, len, d) = self
-                        .stage_tensor(pool, plan, hop, rid, &s.tensor, &g)
-                        .await?;
-                    requests.push(
-                        Request::write(&pool.buffer, lease.offset, &g, 0, len)
-                            .tagged(fault_tag(rid, &s.tensor)),
-                    );
-                    names.push(s.tensor.clone());
-                    staged.push((s.tensor, d));
-                    sent.bytes += len;
-                    leases.push(lease);
-                }
-            }
-            (OutMem::Kv(kv), Msg::KvReserve { reservation, .. }) => {
-                let held = kv_held.expect("prefill holds its blocks");
-                let bb = kv.geo.block_bytes;
-                let writes = plan_kv_writes(&held.blocks, &reservation, kv.geo.num_layers, bb)
-                    .map_err(|e| (vec![], hop_err(None, &format!("bad reservation: {e}"))))?;
-                for w in writes {
-                    let len = u64::from(w.run.len) * bb;
-                    let tensor = if w.v {
-                        KvLayout::v_name(w.layer)
-                    } else {
-                        KvLayout::k_name(w.layer)
-                    };
-                    requests.push(
-                        Request::write(
-                            &kv.buffer,
-                            kv.geo.offset(w.layer, w.v, w.run.src),
-                            &reservation.grants[w.grant].grant,
-                            w.grant_offset,
-                            len,
-                        )
-                        .tagged(fault_tag(rid, &tensor)),
-                    );
-                    names.push(format!(
-                        "{tensor} blocks {}..{}",
-                        w.run.logical,
-                        w.run.logical + w.run.len
-                    ));
-                    sent.bytes += len;
-                }
-                sent.tensors = hop.tensors.len();
-            }
-            (_, other) => {
-                return Err((
-                    vec![],
-                    hop_err(None, &format!("unexpected {} message", other.name())),
-                ));
-            }
-        };
-        sent.stage_ms = ms(ts.elapsed());
-        sent.requests = requests.len();
-        if sent.tensors == 0 {
-            sent.tensors = staged.len();
-        }
-        let t = Instant::now();
-        sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-        if !requests.is_empty() {
-            engine
-                .transfer(requests, Some(self.timeout()))
-                .await
-                .map_err(|e| {
-                    let failed = e.task().and_then(|i| names.get(i).cloned());
-                    (
-                        failed.clone().into_iter().collect(),
-                        hop_err(failed.as_deref(), &e),
-                    )
-                })?;
-        }
-        sent.transfer_ms = ms(t.elapsed());
-        drop(leases);
-        Ok(Msg::Finish {
-            request: rid.into(),
-            digests: staged
-                .into_iter()
-                .map(|(tensor, d)| NamedDigest {
-                    tensor,
-                    digest: d.to_hex(),
-                })
-                .collect(),
-        })
     }
 
     /// Reserves staging space for output `name`, produces it there, and digests it.
