@@ -17,6 +17,7 @@ use crate::segment::SegmentDescriptor;
 
 pub mod fault;
 pub mod loopback;
+pub mod rdma;
 pub mod shm;
 pub mod tcp;
 

@@ -1,0 +1,489 @@
+//! The rdma verbs layer and the grant fence against a real RDMA device.
+//!
+//! Needs a device (an HCA, or soft-RoCE): `ci/softroce.sh run -- cargo test -p
+//! omnirig-transports --features rdma --test rdma` runs these in a VM with rxe0. Where there is
+//! no device each test says it was skipped and how to run it; with OMNIRIG_RDMA_REQUIRED=1 (the
+//! soft-RoCE lane sets it) a missing device fails instead.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use omnirig_transports::ErrorKind;
+use omnirig_transports::memory::Region;
+use omnirig_transports::transport::rdma::fence::FencedGrant;
+use omnirig_transports::transport::rdma::keys::{Endpoint, FenceKind, GrantKey};
+use omnirig_transports::transport::rdma::verbs::{
+    self, Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp,
+};
+
+fn device(test: &str) -> Option<Arc<Device>> {
+    let name = std::env::var("OMNIRIG_RDMA_DEVICE").ok();
+    match Device::open(name.as_deref()) {
+        Ok(d) => Some(d),
+        Err(e) if std::env::var("OMNIRIG_RDMA_REQUIRED").as_deref() == Ok("1") => {
+            panic!("{test}: OMNIRIG_RDMA_REQUIRED=1 but {e}")
+        }
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}. {}", verbs::HOW_TO_RUN);
+            None
+        }
+    }
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(20)
+}
+
+/// Two RC queue pairs on one device connected to each other, their endpoints sent through the
+/// wire encoding as peers would.
+fn pair(dev: &Arc<Device>) -> (Arc<QueuePair>, Arc<QueuePair>) {
+    let gid = dev.default_gid_index(1).unwrap();
+    let a = QueuePair::create(dev, 1, 16).unwrap();
+    let b = QueuePair::create(dev, 1, 16).unwrap();
+    let ea = Endpoint::from_bytes(&a.endpoint(gid).unwrap().to_bytes()).unwrap();
+    let eb = Endpoint::from_bytes(&b.endpoint(gid).unwrap().to_bytes()).unwrap();
+    a.connect(&eb, gid).unwrap();
+    b.connect(&ea, gid).unwrap();
+    (a, b)
+}
+
+fn region(len: usize, fill: impl Fn(usize) -> u8) -> Arc<Region> {
+    let r = Region::allocate(len, false).unwrap();
+    let bytes: Vec<u8> = (0..len).map(fill).collect();
+    r.write(0, &bytes).unwrap();
+    Arc::new(r)
+}
+
+fn contents(r: &Region) -> Vec<u8> {
+    let mut v = vec![0u8; r.len()];
+    r.read(0, &mut v).unwrap();
+    v
+}
+
+fn pattern(seed: u64) -> impl Fn(usize) -> u8 {
+    move |i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed).to_le_bytes()[3]
+}
+
+/// `len` bytes from `local` into the peer at `key`+`offset` in `slice`-byte work requests.
+fn ops<'a>(
+    write: bool,
+    local: &'a MemoryRegistration,
+    key: &GrantKey,
+    offset: u64,
+    len: u64,
+    slice: u64,
+) -> Vec<RemoteOp<'a>> {
+    (0..len.div_ceil(slice))
+        .map(|i| {
+            let off = i * slice;
+            let n = slice.min(len - off);
+            RemoteOp {
+                write,
+                local,
+                local_offset: off,
+                len: n as u32,
+                remote_addr: key.addr + offset + off,
+                rkey: key.rkey,
+            }
+        })
+        .collect()
+}
+
+fn median_us(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v[v.len() / 2].as_secs_f64() * 1e6
+}
+
+#[test]
+fn device_and_port_are_described() {
+    let Some(dev) = device("device_and_port_are_described") else {
+        return;
+    };
+    let port = dev.port(1).unwrap();
+    assert!(port.active, "{port:?}");
+    let gi = dev.default_gid_index(1).unwrap();
+    let gid = dev.gid(1, gi).unwrap();
+    assert_ne!(gid, [0; 16]);
+    println!(
+        "RESULT device {} port 1: {} mtu {} ethernet {} gid[{gi}] {:02x?} max_mw {}",
+        dev.name(),
+        port.state,
+        port.mtu,
+        port.ethernet,
+        gid,
+        dev.max_memory_windows()
+    );
+    // a port that does not exist is refused naming device, port and step
+    let e = dev.port(9).unwrap_err();
+    assert!(
+        e.detail()
+            .contains(&format!("rdma device {} port 9: query port", dev.name())),
+        "{e}"
+    );
+    let e = Device::open(Some("no-such-device")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unreachable);
+    assert!(e.detail().contains("no-such-device"), "{e}");
+}
+
+#[test]
+fn write_and_read_between_two_queue_pairs_are_bit_exact() {
+    let Some(dev) = device("write_and_read_between_two_queue_pairs_are_bit_exact") else {
+        return;
+    };
+    let (a, b) = pair(&dev);
+    const LEN: usize = 1 << 20;
+    // target: a 1 MiB + 2 pages buffer, granted [4096, 4096 + 1 MiB) as a registration
+    let target = region(LEN + 8192, |_| 0xAA);
+    let grant =
+        FencedGrant::register(&dev, &target, 4096, LEN as u64, RemoteAccess::ReadWrite).unwrap();
+    let key = GrantKey::from_bytes(&grant.key().to_bytes()).unwrap();
+    assert_eq!(key.fence, FenceKind::Region);
+
+    let src = region(LEN, pattern(1));
+    let src_mr = dev
+        .register(&src, 0, LEN as u64, RemoteAccess::Read)
+        .unwrap();
+    let t0 = Instant::now();
+    // 64 KiB slices, more slices than the queue pair lets out at once (16)
+    a.run(&ops(true, &src_mr, &key, 0, LEN as u64, 65536), deadline())
+        .unwrap();
+    let wt = t0.elapsed();
+    let got = contents(&target);
+    assert_eq!(
+        &got[4096..4096 + LEN],
+        &contents(&src)[..],
+        "written bytes differ"
+    );
+    assert!(
+        got[..4096]
+            .iter()
+            .chain(&got[4096 + LEN..])
+            .all(|&x| x == 0xAA)
+    );
+
+    let back = region(LEN, |_| 0);
+    let back_mr = dev
+        .register(&back, 0, LEN as u64, RemoteAccess::Write)
+        .unwrap();
+    let t0 = Instant::now();
+    a.run(
+        &ops(false, &back_mr, &key, 0, LEN as u64, 65536),
+        deadline(),
+    )
+    .unwrap();
+    let rt = t0.elapsed();
+    assert_eq!(contents(&back), contents(&src), "read bytes differ");
+    println!(
+        "RESULT 1 MiB in 64 KiB slices, 16 outstanding: WRITE {:.1} ms ({:.0} MB/s), READ {:.1} ms ({:.0} MB/s)",
+        wt.as_secs_f64() * 1e3,
+        LEN as f64 / wt.as_secs_f64() / 1e6,
+        rt.as_secs_f64() * 1e3,
+        LEN as f64 / rt.as_secs_f64() / 1e6
+    );
+    grant.revoke(deadline()).unwrap();
+    drop(b);
+}
+
+/// One WRITE of `len` bytes at `offset` into the grant through a fresh pair; the grant is
+/// made by `fence` on the target side (b) after `before` ran.
+fn canary(
+    dev: &Arc<Device>,
+    use_window: bool,
+    offset: i64,
+    len: u64,
+    revoke_first: bool,
+) -> (omnirig_transports::Result<()>, Vec<u8>) {
+    const GRANT_OFF: u64 = 4196; // not page aligned: the fence must hold mid-page
+    const GRANT_LEN: u64 = 8000;
+    let (a, b) = pair(dev);
+    let target = region(32768, |_| 0xAA);
+    let whole = dev
+        .register(&target, 0, 32768, RemoteAccess::Write)
+        .unwrap();
+    let grant = if use_window {
+        FencedGrant::bind_window(
+            &b,
+            dev.alloc_window().unwrap(),
+            &whole,
+            GRANT_OFF,
+            GRANT_LEN,
+            RemoteAccess::Write,
+            deadline(),
+        )
+        .unwrap()
+    } else {
+        FencedGrant::register(dev, &target, GRANT_OFF, GRANT_LEN, RemoteAccess::Write).unwrap()
+    };
+    // the whole-buffer registration exists in both cases; its rkey is never handed out. The
+    // window case needs it to bind; the region case keeps it to show a second MR over the same
+    // pages does not widen what the grant's rkey reaches.
+    let key = grant.key();
+    let src = region(len as usize, |_| 0x55);
+    let src_mr = dev.register(&src, 0, len, RemoteAccess::Read).unwrap();
+    if revoke_first {
+        // a first, in-range write succeeds, then revoke, then the write under test
+        let ok_src = region(16, |_| 0x11);
+        let ok_mr = dev.register(&ok_src, 0, 16, RemoteAccess::Read).unwrap();
+        a.run(&ops(true, &ok_mr, &key, 0, 16, 16), deadline())
+            .unwrap();
+        grant.revoke(deadline()).unwrap();
+    }
+    // bypass GrantKey::remote_addr's own check: this is what a misbehaving peer would post
+    let op = RemoteOp {
+        write: true,
+        local: &src_mr,
+        local_offset: 0,
+        len: len as u32,
+        remote_addr: key.addr.wrapping_add_signed(offset),
+        rkey: key.rkey,
+    };
+    let r = a.run(&[op], deadline());
+    let bytes = contents(&target);
+    drop(whole);
+    (r, bytes)
+}
+
+/// Runs the canaries on one fence; returns, per canary, whether the device refused it and how
+/// many bytes outside the grant (or after revoke) changed. Only in-range success is asserted
+/// here; the callers assert what each fence must hold.
+fn canaries(dev: &Arc<Device>, use_window: bool) -> Vec<(&'static str, Option<String>, usize)> {
+    let fence = if use_window { "window" } else { "region" };
+    let outside = |b: &[u8]| {
+        b[..4196]
+            .iter()
+            .chain(&b[12196..])
+            .filter(|&&x| x != 0xAA)
+            .count()
+    };
+    // in range: lands, and nothing around it moves
+    let (r, b) = canary(dev, use_window, 0, 8000, false);
+    r.unwrap_or_else(|e| panic!("{fence}: in-range write failed: {e}"));
+    assert!(
+        b[4196..12196].iter().all(|&x| x == 0x55),
+        "{fence}: in-range write missing"
+    );
+    assert_eq!(
+        outside(&b),
+        0,
+        "{fence}: an in-range write changed bytes outside the grant"
+    );
+    let mut out = Vec::new();
+    let (r, b) = canary(dev, use_window, 0, 8001, false);
+    out.push((
+        "write 1 byte past the grant",
+        r.err().map(|e| e.to_string()),
+        outside(&b),
+    ));
+    let (r, b) = canary(dev, use_window, -1, 16, false);
+    out.push((
+        "write starting 1 byte before the grant",
+        r.err().map(|e| e.to_string()),
+        outside(&b),
+    ));
+    let (r, b) = canary(dev, use_window, 0, 16, true);
+    assert!(
+        b[4196..4212].iter().all(|&x| x == 0x11),
+        "{fence}: the pre-revoke write is lost"
+    );
+    let changed = b
+        .iter()
+        .enumerate()
+        .filter(|&(i, &x)| {
+            x != if (4196..4212).contains(&i) {
+                0x11
+            } else {
+                0xAA
+            }
+        })
+        .count();
+    out.push((
+        "write after revoke",
+        r.err().map(|e| e.to_string()),
+        changed,
+    ));
+    for (what, refused, changed) in &out {
+        match refused {
+            Some(e) => {
+                println!("RESULT canary {fence}: {what}: refused, {changed} bytes changed: {e}")
+            }
+            None => println!("RESULT canary {fence}: {what}: NOT refused, {changed} bytes changed"),
+        }
+    }
+    out
+}
+
+#[test]
+fn canaries_a_write_past_the_grant_and_a_write_after_revoke_are_refused() {
+    let Some(dev) = device("canaries_a_write_past_the_grant_and_a_write_after_revoke_are_refused")
+    else {
+        return;
+    };
+    // the fence the transport uses: a memory region per grant
+    for (what, refused, changed) in canaries(&dev, false) {
+        let e =
+            refused.unwrap_or_else(|| panic!("region fence: {what}: the device let it through"));
+        assert!(
+            e.contains("IBV_WC_REM_ACCESS_ERR"),
+            "region fence: {what}: {e}"
+        );
+        assert!(
+            e.contains("access not permitted"),
+            "region fence: {what}: kind: {e}"
+        );
+        assert_eq!(
+            changed, 0,
+            "region fence: {what}: refused, yet bytes changed"
+        );
+    }
+}
+
+/// Memory windows are measured, not relied on: record what this device enforces.
+#[test]
+fn canaries_on_memory_windows_are_recorded() {
+    let Some(dev) = device("canaries_on_memory_windows_are_recorded") else {
+        return;
+    };
+    if let Err(e) = dev.alloc_window() {
+        println!(
+            "RESULT memory windows: not supported on {}: {e}",
+            dev.name()
+        );
+        return;
+    }
+    let out = canaries(&dev, true);
+    // whatever the range check does, a revoked (invalidated) window must be dead
+    let (what, refused, changed) = &out[2];
+    assert!(
+        refused.is_some(),
+        "window: {what}: the device let it through"
+    );
+    assert_eq!(*changed, 0, "window: {what}");
+}
+
+#[test]
+fn fence_costs_window_bind_invalidate_vs_region_register_deregister() {
+    let Some(dev) = device("fence_costs_window_bind_invalidate_vs_region_register_deregister")
+    else {
+        return;
+    };
+    const N: usize = 21;
+    for len in [64u64 << 10, 1 << 20, 16 << 20] {
+        let target = region(len as usize, |_| 0);
+        let mut reg = Vec::new();
+        let mut dereg = Vec::new();
+        for _ in 0..N {
+            let t = Instant::now();
+            let g = FencedGrant::register(&dev, &target, 0, len, RemoteAccess::Write).unwrap();
+            reg.push(t.elapsed());
+            let t = Instant::now();
+            g.revoke(deadline()).unwrap();
+            dereg.push(t.elapsed());
+        }
+        println!(
+            "RESULT fence region {} KiB: register {:.1} us, deregister {:.1} us (median of {N})",
+            len >> 10,
+            median_us(reg),
+            median_us(dereg)
+        );
+        let Ok(mut mw) = dev.alloc_window() else {
+            println!("RESULT fence window: memory windows not supported");
+            continue;
+        };
+        let (_a, b) = pair(&dev);
+        let whole = dev.register(&target, 0, len, RemoteAccess::Write).unwrap();
+        let mut bind = Vec::new();
+        let mut inv = Vec::new();
+        for _ in 0..N {
+            let t = Instant::now();
+            let g =
+                FencedGrant::bind_window(&b, mw, &whole, 0, len, RemoteAccess::Write, deadline())
+                    .unwrap();
+            bind.push(t.elapsed());
+            let t = Instant::now();
+            mw = g.revoke(deadline()).unwrap().expect("a window comes back");
+            inv.push(t.elapsed());
+        }
+        println!(
+            "RESULT fence window {} KiB: bind {:.1} us, invalidate {:.1} us (median of {N})",
+            len >> 10,
+            median_us(bind),
+            median_us(inv)
+        );
+    }
+}
+
+#[test]
+fn a_deadline_moves_the_queue_pair_to_error_and_drains_it() {
+    let Some(dev) = device("a_deadline_moves_the_queue_pair_to_error_and_drains_it") else {
+        return;
+    };
+    let (a, b) = pair(&dev);
+    let target = region(1 << 20, |_| 0);
+    let grant = FencedGrant::register(&dev, &target, 0, 1 << 20, RemoteAccess::ReadWrite).unwrap();
+    let src = region(1 << 20, pattern(2));
+    let src_mr = dev.register(&src, 0, 1 << 20, RemoteAccess::Read).unwrap();
+    // the peer's queue pair dies silently: no acknowledgement ever comes back
+    b.set_error().unwrap();
+    let t = Instant::now();
+    let e = a
+        .run(
+            &ops(true, &src_mr, &grant.key(), 0, 1 << 20, 65536),
+            Instant::now() + Duration::from_millis(100),
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(
+        a.is_error(),
+        "the queue pair must be in ERROR after a timeout"
+    );
+    println!(
+        "RESULT timeout: {e} (returned after {:.0} ms, drained)",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    // nothing is in flight any more and nothing new runs on it
+    let e = a
+        .run(&ops(true, &src_mr, &grant.key(), 0, 16, 16), deadline())
+        .unwrap_err();
+    assert!(
+        e.detail().contains("IBV_WC_WR_FLUSH_ERR") || e.detail().contains("post"),
+        "{e}"
+    );
+}
+
+/// A dead peer ends the request with the verbs status (retry exceeded) or, at the latest, at the
+/// deadline; it never hangs and never touches the target. (On rxe 6.1 loopback with the peer's
+/// queue pair in ERROR, no retry-exceeded completion came within 20 s: the deadline ends it.)
+#[test]
+fn a_dead_peer_fails_by_retry_exceeded_or_the_deadline() {
+    let Some(dev) = device("a_dead_peer_fails_by_retry_exceeded_or_the_deadline") else {
+        return;
+    };
+    let (a, b) = pair(&dev);
+    let target = region(4096, |_| 0);
+    let grant = FencedGrant::register(&dev, &target, 0, 4096, RemoteAccess::ReadWrite).unwrap();
+    let src = region(4096, pattern(3));
+    let src_mr = dev.register(&src, 0, 4096, RemoteAccess::Read).unwrap();
+    b.set_error().unwrap();
+    let t = Instant::now();
+    let e = a
+        .run(
+            &ops(true, &src_mr, &grant.key(), 0, 4096, 4096),
+            Instant::now() + Duration::from_secs(3),
+        )
+        .unwrap_err();
+    match e.kind() {
+        ErrorKind::PeerDisconnected => assert!(e.detail().contains("IBV_WC_RETRY_EXC_ERR"), "{e}"),
+        ErrorKind::TimedOut => {}
+        k => panic!("unexpected {k:?}: {e}"),
+    }
+    assert!(a.is_error());
+    assert!(
+        target
+            .with_slice(0, 4096, |s| s.iter().all(|&x| x == 0))
+            .unwrap()
+    );
+    println!(
+        "RESULT dead peer: {e} after {:.0} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+}
