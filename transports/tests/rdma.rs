@@ -487,3 +487,230 @@ fn a_dead_peer_fails_by_retry_exceeded_or_the_deadline() {
         t.elapsed().as_secs_f64() * 1e3
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// The transport: a target node with its control server and grant table, an initiator link.
+// ---------------------------------------------------------------------------------------------
+
+mod transport {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use omnirig_transports::grant::{Access, Grant, GrantSpec, GrantTable};
+    use omnirig_transports::memory::Region;
+    use omnirig_transports::segment::SegmentDescriptor;
+    use omnirig_transports::transport::rdma::link::{
+        Admit, RdmaConfig, RdmaNode, RdmaServer, RdmaTransport,
+    };
+    use omnirig_transports::transport::{Link, OpKind, SliceOp, Transport};
+    use omnirig_transports::{Error, ErrorKind};
+    use tracing_test::traced_test;
+
+    use super::{contents, device, pattern, region};
+
+    struct Target {
+        node: Arc<RdmaNode>,
+        table: Arc<Mutex<GrantTable>>,
+        server: RdmaServer,
+    }
+
+    fn target(regions: HashMap<u32, Arc<Region>>) -> Target {
+        let node = RdmaNode::open(RdmaConfig::default()).unwrap();
+        let table = Arc::new(Mutex::new(GrantTable::default()));
+        let (t, r) = (table.clone(), Arc::new(regions));
+        // what the engine's admission handle does: the grant table's check, then the buffer
+        let admit: Admit = Arc::new(move |access, wire| {
+            let a = t.lock().unwrap().admit(access, wire, 0, 1)?;
+            let region = r
+                .get(&wire.buffer)
+                .cloned()
+                .ok_or_else(|| Error::new(ErrorKind::UnknownBuffer, "no such buffer"))?;
+            Ok((a.entry.grant.clone(), region))
+        });
+        let server = RdmaServer::start(node.clone(), admit).unwrap();
+        Target {
+            node,
+            table,
+            server,
+        }
+    }
+
+    impl Target {
+        fn grant(&self, buffer: u32, len_of: u64, offset: u64, len: u64, access: Access) -> Grant {
+            self.table
+                .lock()
+                .unwrap()
+                .issue(
+                    "target",
+                    GrantSpec {
+                        buffer,
+                        buffer_len: len_of,
+                        offset,
+                        len,
+                        access,
+                        expires: None,
+                        token: 0x5eed_0000 + offset,
+                        lease: false,
+                    },
+                )
+                .unwrap()
+        }
+
+        fn revoke(&self, g: &Grant) {
+            assert!(self.table.lock().unwrap().revoke(g.epoch));
+            self.node.on_revoke(&g.wire()).unwrap();
+        }
+    }
+
+    fn descriptor() -> SegmentDescriptor {
+        SegmentDescriptor {
+            name: "target".into(),
+            instance: 1,
+            tcp: None,
+            buffers: vec![],
+            shm: None,
+        }
+    }
+
+    /// `len` bytes of `local` from 0 into / out of the grant, cut as the link asks.
+    async fn transfer(
+        link: &Arc<dyn Link>,
+        kind: OpKind,
+        local: &Arc<Region>,
+        g: &Grant,
+        len: u64,
+    ) -> omnirig_transports::Result<()> {
+        let slice = link.slicing().slice_size;
+        let mut off = 0;
+        while off < len {
+            let n = slice.min(len - off);
+            link.execute(SliceOp {
+                kind,
+                local: local.clone(),
+                local_offset: off,
+                grant: g.wire(),
+                grant_offset: off,
+                len: n,
+                tag: 7,
+                request_offset: off,
+                request_len: len,
+            })
+            .await?;
+            off += n;
+        }
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[traced_test]
+    async fn push_pull_revoke_and_reconnect_through_the_link() {
+        if device("push_pull_revoke_and_reconnect_through_the_link").is_none() {
+            return;
+        }
+        const BUF: u64 = 12 << 20;
+        const LEN: u64 = (9 << 20) + 123; // more than two slices, odd tail
+        const OFF: u64 = 4096 + 7;
+        let dst = region(BUF as usize, |_| 0);
+        let t = target(HashMap::from([(1, dst.clone())]));
+        let init = RdmaNode::open(RdmaConfig::default()).unwrap();
+        let transport = RdmaTransport::new(init.clone());
+        assert!(!transport.reaches(&descriptor()));
+        transport.add_peer("target", t.server.addr());
+        assert!(transport.reaches(&descriptor()));
+        let link = transport.connect(descriptor()).await.unwrap();
+        assert_eq!(link.info().transport, "rdma");
+        assert!(
+            link.info().device.contains("rxe0") || std::env::var("OMNIRIG_RDMA_DEVICE").is_ok()
+        );
+        assert!(logs_contain("rdma: selected device, port and GID for peer"));
+        assert!(logs_contain("gid_index="));
+
+        // push: one-sided WRITE into the write grant, bit-exact, nothing around it moves
+        let src = region(LEN as usize, pattern(9));
+        let wg = t.grant(1, BUF, OFF, LEN, Access::Write);
+        let t0 = std::time::Instant::now();
+        transfer(&link, OpKind::Write, &src, &wg, LEN)
+            .await
+            .unwrap();
+        let push = t0.elapsed();
+        let got = contents(&dst);
+        assert_eq!(
+            &got[OFF as usize..(OFF + LEN) as usize],
+            &contents(&src)[..]
+        );
+        assert!(got[..OFF as usize].iter().all(|&x| x == 0));
+        assert!(got[(OFF + LEN) as usize..].iter().all(|&x| x == 0));
+        assert_eq!(t.node.fenced_grants(), 1);
+
+        // revoke, then the initiator (still holding the key) writes again: the device refuses
+        t.revoke(&wg);
+        assert_eq!(t.node.fenced_grants(), 0);
+        let other = region(64, |_| 0xEE);
+        let e = transfer(&link, OpKind::Write, &other, &wg, 64)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AccessDenied, "{e}");
+        assert!(e.detail().contains("IBV_WC_REM_ACCESS_ERR"), "{e}");
+        assert_eq!(e.peer(), Some("target"));
+        assert_eq!(
+            contents(&dst),
+            got,
+            "a write after revoke changed the target"
+        );
+        println!("RESULT transport: write after revoke: {e}");
+
+        // pull: a read grant over the same range; the broken queue pair is re-established
+        let rg = t.grant(1, BUF, OFF, LEN, Access::Read);
+        let back = region(LEN as usize, |_| 0);
+        let t0 = std::time::Instant::now();
+        transfer(&link, OpKind::Read, &back, &rg, LEN)
+            .await
+            .unwrap();
+        let pull = t0.elapsed();
+        assert_eq!(contents(&back), contents(&src));
+
+        // a write under a read grant: the key itself only allows READ on the device
+        let e = transfer(&link, OpKind::Write, &other, &rg, 64)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AccessDenied, "{e}");
+        assert_eq!(contents(&dst), got);
+
+        // a link that never saw the key asks the target, whose admission refuses a revoked grant
+        t.revoke(&rg);
+        let fresh = transport.connect(descriptor()).await.unwrap();
+        let e = transfer(&fresh, OpKind::Read, &back, &rg, 64)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
+        assert_eq!(t.node.fenced_grants(), 0);
+        println!(
+            "RESULT transport: push {:.1} MiB in {:.0} ms ({:.0} MB/s), pull in {:.0} ms ({:.0} MB/s)",
+            LEN as f64 / 1048576.0,
+            push.as_secs_f64() * 1e3,
+            LEN as f64 / push.as_secs_f64() / 1e6,
+            pull.as_secs_f64() * 1e3,
+            LEN as f64 / pull.as_secs_f64() / 1e6
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreachable_peer_fails_at_connect_naming_it() {
+        if device("an_unreachable_peer_fails_at_connect_naming_it").is_none() {
+            return;
+        }
+        let init = RdmaNode::open(RdmaConfig::default()).unwrap();
+        let transport = RdmaTransport::new(init);
+        // a port nobody listens on
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        drop(l);
+        transport.add_peer("target", addr);
+        let e = match transport.connect(descriptor()).await {
+            Ok(_) => panic!("connected to nobody"),
+            Err(e) => e,
+        };
+        assert_eq!(e.kind(), ErrorKind::Unreachable, "{e}");
+        assert_eq!(e.peer(), Some("target"));
+    }
+}

@@ -14,4 +14,6 @@
 pub mod fence;
 pub mod keys;
 #[cfg(feature = "rdma")]
+pub mod link;
+#[cfg(feature = "rdma")]
 pub mod verbs;

@@ -732,6 +732,17 @@ impl QueuePair {
     /// and drained (every posted request completed) before this returns: the device touches
     /// none of `ops`' memory after that. The queue pair is then unusable (reconnect).
     pub fn run(&self, ops: &[RemoteOp<'_>], deadline: Instant) -> Result<()> {
+        self.run_cancellable(ops, deadline, None)
+    }
+
+    /// [`run`](Self::run), also stopped (ERROR, drained, `Canceled`) once `cancel` is set;
+    /// checked at least every 20 ms.
+    pub fn run_cancellable(
+        &self,
+        ops: &[RemoteOp<'_>],
+        deadline: Instant,
+        cancel: Option<&std::sync::atomic::AtomicBool>,
+    ) -> Result<()> {
         let _one = self.exclusive.lock().unwrap_or_else(|p| p.into_inner());
         for op in ops {
             op.local
@@ -775,7 +786,25 @@ impl QueuePair {
                 break;
             }
             done.clear();
-            let got = self.cq.wait(&mut done, deadline)?;
+            let step = deadline.min(Instant::now() + Duration::from_millis(20));
+            let got = self.cq.wait(&mut done, step)?;
+            let canceled = cancel.is_some_and(|c| c.load(Ordering::Acquire));
+            if got == 0 && canceled {
+                if failure.is_none() {
+                    failure = Some(Error::new(
+                        ErrorKind::Canceled,
+                        format!(
+                            "rdma: canceled with {outstanding} work requests in flight on {} port {}",
+                            self.device.name, self.port
+                        ),
+                    ));
+                }
+                self.drain(outstanding)?;
+                break;
+            }
+            if got == 0 && Instant::now() < deadline {
+                continue;
+            }
             if got == 0 {
                 // deadline: stop the device first, then collect every posted request
                 if failure.is_none() {
