@@ -148,10 +148,10 @@ impl RdmaNode {
     /// The registration covering `region` (registered now if it was not: until the seam's
     /// register hook exists, first use registers).
     pub fn local_registration(&self, region: &Arc<Region>) -> Result<Arc<MemoryRegistration>> {
-        if let Some(r) = self.lock_local().get(&region.addr()) {
-            if Arc::ptr_eq(r.region(), region) {
-                return Ok(r.clone());
-            }
+        if let Some(r) = self.lock_local().get(&region.addr())
+            && Arc::ptr_eq(r.region(), region)
+        {
+            return Ok(r.clone());
         }
         let r = Arc::new(self.device.register(
             region,
@@ -167,10 +167,10 @@ impl RdmaNode {
     /// range (memory windows on rxe do not bound the range: see the rdma tests). Idempotent per
     /// grant epoch.
     pub fn grant_key(&self, grant: &Grant, region: &Arc<Region>) -> Result<GrantKey> {
-        if let Some((wire, f)) = self.lock_granted().get(&grant.epoch) {
-            if *wire == grant.wire() {
-                return Ok(f.key());
-            }
+        if let Some((wire, f)) = self.lock_granted().get(&grant.epoch)
+            && *wire == grant.wire()
+        {
+            return Ok(f.key());
         }
         let access = match grant.access {
             Access::Write => RemoteAccess::Write,
@@ -517,10 +517,10 @@ impl Shared {
     /// The live connection, (re)established when there is none or its queue pair broke.
     fn connection(&self) -> Result<Arc<Conn>> {
         let mut slot = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = slot.as_ref() {
-            if !c.qp.is_error() {
-                return Ok(c.clone());
-            }
+        if let Some(c) = slot.as_ref()
+            && !c.qp.is_error()
+        {
+            return Ok(c.clone());
         }
         // a broken queue pair is torn down (closing the control connection tells the peer to
         // drop its end) and a new one set up
@@ -583,10 +583,9 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&grant.epoch)
+            && *w == grant
         {
-            if *w == grant {
-                return Ok(*k);
-            }
+            return Ok(*k);
         }
         let reply = {
             let mut s = conn.control.lock().unwrap_or_else(|p| p.into_inner());
@@ -629,7 +628,7 @@ impl Shared {
         let deadline = Instant::now() + self.node.cfg.slice_deadline;
         conn.qp
             .run_cancellable(&ops, deadline, Some(cancel))
-            .map_err(|e| {
+            .inspect_err(|e| {
                 if e.kind() == ErrorKind::AccessDenied {
                     // a refused key is stale (revoked): forget it
                     self.keys
@@ -637,7 +636,6 @@ impl Shared {
                         .unwrap_or_else(|p| p.into_inner())
                         .remove(&op.grant.epoch);
                 }
-                e
             })
     }
 }

@@ -877,19 +877,17 @@ impl QueuePair {
         let _one = self.exclusive.lock().unwrap_or_else(|p| p.into_inner());
         self.post(wr)?;
         let mut done = Vec::new();
-        loop {
-            let n = self.cq.wait(&mut done, deadline)?;
-            if n == 0 {
-                self.drain(1)?;
-                return Err(Error::new(
-                    ErrorKind::TimedOut,
-                    format!("rdma: {what} did not complete by the deadline"),
-                ));
-            }
-            if let Some(c) = done.iter().find(|c| !c.ok()) {
-                return Err(completion_error(c, what));
-            }
-            return Ok(());
+        let n = self.cq.wait(&mut done, deadline)?;
+        if n == 0 {
+            self.drain(1)?;
+            return Err(Error::new(
+                ErrorKind::TimedOut,
+                format!("rdma: {what} did not complete by the deadline"),
+            ));
+        }
+        match done.iter().find(|c| !c.ok()) {
+            Some(c) => Err(completion_error(c, what)),
+            None => Ok(()),
         }
     }
 
