@@ -45,6 +45,9 @@ pub struct RdmaConfig {
     pub listen: SocketAddr,
     /// Backstop for one slice; the engine's own deadline cancels earlier.
     pub slice_deadline: Duration,
+    /// How long a completion wait spins before it parks on the completion channel (0: park at
+    /// once; large: busy-poll).
+    pub completion_spin: Duration,
 }
 
 impl Default for RdmaConfig {
@@ -58,6 +61,7 @@ impl Default for RdmaConfig {
             slice_size: 4 << 20,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             slice_deadline: Duration::from_secs(60),
+            completion_spin: super::verbs::DEFAULT_SPIN,
         }
     }
 }
@@ -206,7 +210,12 @@ impl RdmaNode {
     }
 
     fn new_queue_pair(&self) -> Result<Arc<QueuePair>> {
-        QueuePair::create(&self.device, self.cfg.port, self.cfg.max_outstanding)
+        QueuePair::create_with_spin(
+            &self.device,
+            self.cfg.port,
+            self.cfg.max_outstanding,
+            self.cfg.completion_spin,
+        )
     }
 
     fn describe(&self) -> String {

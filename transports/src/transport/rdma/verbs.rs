@@ -436,7 +436,8 @@ pub struct CompletionQueue {
 }
 
 impl CompletionQueue {
-    pub fn new(device: &Arc<Device>, depth: u32) -> Result<Arc<Self>> {
+    /// A CQ of `depth` entries whose waiters spin for `spin` before parking on the channel.
+    pub fn new(device: &Arc<Device>, depth: u32, spin: Duration) -> Result<Arc<Self>> {
         let channel = device
             .ctx
             .create_comp_channel()
@@ -454,7 +455,7 @@ impl CompletionQueue {
             channel,
             device: device.clone(),
             unacked: AtomicU32::new(0),
-            spin: Duration::from_micros(50),
+            spin,
             lock: Mutex::new(()),
         }))
     }
@@ -528,6 +529,9 @@ impl Drop for CompletionQueue {
     }
 }
 
+/// How long a completion wait spins before it parks on the completion channel.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
 /// One one-sided operation for [`QueuePair::run`].
 #[derive(Debug, Clone, Copy)]
 pub struct RemoteOp<'a> {
@@ -568,8 +572,18 @@ impl QueuePair {
     /// Creates an RC queue pair on `port` in RESET, with at most `max_outstanding` send work
     /// requests in flight.
     pub fn create(device: &Arc<Device>, port: u8, max_outstanding: u32) -> Result<Arc<Self>> {
+        Self::create_with_spin(device, port, max_outstanding, DEFAULT_SPIN)
+    }
+
+    /// [`create`](Self::create), with completion waits that spin for `spin` before parking.
+    pub fn create_with_spin(
+        device: &Arc<Device>,
+        port: u8,
+        max_outstanding: u32,
+        spin: Duration,
+    ) -> Result<Arc<Self>> {
         let max_outstanding = max_outstanding.clamp(1, device.max_qp_wr);
-        let cq = CompletionQueue::new(device, max_outstanding * 2)?;
+        let cq = CompletionQueue::new(device, max_outstanding * 2, spin)?;
         let mut b = device.pd.create_qp_builder();
         b.setup_qp_type(QueuePairType::ReliableConnection)
             .setup_max_send_wr(max_outstanding)
