@@ -171,7 +171,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mr = node.local_registration(&src)?;
     let ops = [RemoteOp {
         write: true,
-        local: &mr,
+        local: mr.clone(),
         local_offset: 0,
         len: 8,
         remote_addr: key.addr,

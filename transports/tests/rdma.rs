@@ -65,21 +65,21 @@ fn pattern(seed: u64) -> impl Fn(usize) -> u8 {
 }
 
 /// `len` bytes from `local` into the peer at `key`+`offset` in `slice`-byte work requests.
-fn ops<'a>(
+fn ops(
     write: bool,
-    local: &'a MemoryRegistration,
+    local: &Arc<MemoryRegistration>,
     key: &GrantKey,
     offset: u64,
     len: u64,
     slice: u64,
-) -> Vec<RemoteOp<'a>> {
+) -> Vec<RemoteOp> {
     (0..len.div_ceil(slice))
         .map(|i| {
             let off = i * slice;
             let n = slice.min(len - off);
             RemoteOp {
                 write,
-                local,
+                local: local.clone(),
                 local_offset: off,
                 len: n as u32,
                 remote_addr: key.addr + offset + off,
@@ -140,9 +140,10 @@ fn write_and_read_between_two_queue_pairs_are_bit_exact() {
     assert_eq!(key.fence, FenceKind::Region);
 
     let src = region(LEN, pattern(1));
-    let src_mr = dev
-        .register(&src, 0, LEN as u64, RemoteAccess::Read)
-        .unwrap();
+    let src_mr = Arc::new(
+        dev.register(&src, 0, LEN as u64, RemoteAccess::Read)
+            .unwrap(),
+    );
     let t0 = Instant::now();
     // 64 KiB slices, more slices than the queue pair lets out at once (16)
     a.run(&ops(true, &src_mr, &key, 0, LEN as u64, 65536), deadline())
@@ -162,9 +163,10 @@ fn write_and_read_between_two_queue_pairs_are_bit_exact() {
     );
 
     let back = region(LEN, |_| 0);
-    let back_mr = dev
-        .register(&back, 0, LEN as u64, RemoteAccess::Write)
-        .unwrap();
+    let back_mr = Arc::new(
+        dev.register(&back, 0, LEN as u64, RemoteAccess::Write)
+            .unwrap(),
+    );
     let t0 = Instant::now();
     a.run(
         &ops(false, &back_mr, &key, 0, LEN as u64, 65536),
@@ -197,9 +199,10 @@ fn canary(
     const GRANT_LEN: u64 = 8000;
     let (a, b) = pair(dev);
     let target = region(32768, |_| 0xAA);
-    let whole = dev
-        .register(&target, 0, 32768, RemoteAccess::Write)
-        .unwrap();
+    let whole = Arc::new(
+        dev.register(&target, 0, 32768, RemoteAccess::Write)
+            .unwrap(),
+    );
     let grant = if use_window {
         FencedGrant::bind_window(
             &b,
@@ -219,11 +222,11 @@ fn canary(
     // pages does not widen what the grant's rkey reaches.
     let key = grant.key();
     let src = region(len as usize, |_| 0x55);
-    let src_mr = dev.register(&src, 0, len, RemoteAccess::Read).unwrap();
+    let src_mr = Arc::new(dev.register(&src, 0, len, RemoteAccess::Read).unwrap());
     if revoke_first {
         // a first, in-range write succeeds, then revoke, then the write under test
         let ok_src = region(16, |_| 0x11);
-        let ok_mr = dev.register(&ok_src, 0, 16, RemoteAccess::Read).unwrap();
+        let ok_mr = Arc::new(dev.register(&ok_src, 0, 16, RemoteAccess::Read).unwrap());
         a.run(&ops(true, &ok_mr, &key, 0, 16, 16), deadline())
             .unwrap();
         grant.revoke(deadline()).unwrap();
@@ -231,7 +234,7 @@ fn canary(
     // bypass GrantKey::remote_addr's own check: this is what a misbehaving peer would post
     let op = RemoteOp {
         write: true,
-        local: &src_mr,
+        local: src_mr.clone(),
         local_offset: 0,
         len: len as u32,
         remote_addr: key.addr.wrapping_add_signed(offset),
@@ -390,7 +393,7 @@ fn fence_costs_window_bind_invalidate_vs_region_register_deregister() {
             continue;
         };
         let (_a, b) = pair(&dev);
-        let whole = dev.register(&target, 0, len, RemoteAccess::Write).unwrap();
+        let whole = Arc::new(dev.register(&target, 0, len, RemoteAccess::Write).unwrap());
         let mut bind = Vec::new();
         let mut inv = Vec::new();
         for _ in 0..N {
@@ -421,7 +424,7 @@ fn a_deadline_moves_the_queue_pair_to_error_and_drains_it() {
     let target = region(1 << 20, |_| 0);
     let grant = FencedGrant::register(&dev, &target, 0, 1 << 20, RemoteAccess::ReadWrite).unwrap();
     let src = region(1 << 20, pattern(2));
-    let src_mr = dev.register(&src, 0, 1 << 20, RemoteAccess::Read).unwrap();
+    let src_mr = Arc::new(dev.register(&src, 0, 1 << 20, RemoteAccess::Read).unwrap());
     // the peer's queue pair dies silently: no acknowledgement ever comes back
     b.set_error().unwrap();
     let t = Instant::now();
@@ -462,7 +465,7 @@ fn a_dead_peer_fails_by_retry_exceeded_or_the_deadline() {
     let target = region(4096, |_| 0);
     let grant = FencedGrant::register(&dev, &target, 0, 4096, RemoteAccess::ReadWrite).unwrap();
     let src = region(4096, pattern(3));
-    let src_mr = dev.register(&src, 0, 4096, RemoteAccess::Read).unwrap();
+    let src_mr = Arc::new(dev.register(&src, 0, 4096, RemoteAccess::Read).unwrap());
     b.set_error().unwrap();
     let t = Instant::now();
     let e = a
@@ -713,4 +716,33 @@ mod transport {
         assert_eq!(e.kind(), ErrorKind::Unreachable, "{e}");
         assert_eq!(e.peer(), Some("target"));
     }
+}
+
+/// What a dropped slice future does (the link sets the flag): ERROR, drained, `Canceled`.
+#[test]
+fn a_canceled_run_moves_the_queue_pair_to_error_and_drains_it() {
+    let Some(dev) = device("a_canceled_run_moves_the_queue_pair_to_error_and_drains_it") else {
+        return;
+    };
+    let (a, b) = pair(&dev);
+    let target = region(1 << 20, |_| 0);
+    let grant = FencedGrant::register(&dev, &target, 0, 1 << 20, RemoteAccess::ReadWrite).unwrap();
+    let src = region(1 << 20, pattern(4));
+    let src_mr = Arc::new(dev.register(&src, 0, 1 << 20, RemoteAccess::Read).unwrap());
+    b.set_error().unwrap(); // nothing will complete
+    let cancel = std::sync::atomic::AtomicBool::new(true);
+    let e = a
+        .run_cancellable(
+            &ops(true, &src_mr, &grant.key(), 0, 1 << 20, 65536),
+            deadline(),
+            Some(&cancel),
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Canceled, "{e}");
+    assert!(a.is_error());
+    assert!(
+        target
+            .with_slice(0, 1 << 20, |s| s.iter().all(|&x| x == 0))
+            .unwrap()
+    );
 }

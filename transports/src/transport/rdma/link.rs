@@ -25,7 +25,7 @@ use crate::transport::{BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Tran
 
 use super::fence::FencedGrant;
 use super::keys::{Endpoint, GrantKey};
-use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp};
+use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp, Run};
 
 /// How the rdma transport uses its device.
 #[derive(Debug, Clone)]
@@ -492,6 +492,7 @@ impl Transport for RdmaTransport {
                 addr,
                 conn: Mutex::new(None),
                 keys: Mutex::new(HashMap::new()),
+                serial: Arc::new(tokio::sync::Semaphore::new(1)),
             });
             // connect now, so an unreachable peer fails here
             let l = link.clone();
@@ -520,6 +521,8 @@ struct Shared {
     conn: Mutex<Option<Arc<Conn>>>,
     /// Keys of grants this link resolved, by epoch (epochs are never reused by an engine).
     keys: Mutex<HashMap<u64, (GrantRef, GrantKey)>>,
+    /// One run at a time on the queue pair (slices of several tasks queue here).
+    serial: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -614,40 +617,85 @@ impl Shared {
         Ok(key)
     }
 
-    fn run(&self, op: &SliceOp, cancel: &AtomicBool) -> Result<()> {
-        let conn = self.connection()?;
-        let key = self.key(&conn, op.kind.access(), op.grant)?;
+    /// The work requests for `op` on `qp`, `key` naming the grant.
+    fn remote_ops(
+        &self,
+        op: &SliceOp,
+        key: &GrantKey,
+        local: &Arc<MemoryRegistration>,
+    ) -> Result<Vec<RemoteOp>> {
         key.remote_addr(op.grant_offset, op.len)?;
-        let local = self.node.local_registration(&op.local)?;
         let wr = self.node.cfg.work_request_size.max(1) as u64;
-        let ops: Vec<RemoteOp<'_>> = (0..op.len.div_ceil(wr))
+        Ok((0..op.len.div_ceil(wr))
             .map(|i| {
                 let off = i * wr;
-                let n = wr.min(op.len - off);
                 RemoteOp {
                     write: op.kind == OpKind::Write,
-                    local: &local,
+                    local: local.clone(),
                     local_offset: op.local_offset + off,
-                    len: n as u32,
+                    len: wr.min(op.len - off) as u32,
                     remote_addr: key.addr + op.grant_offset + off,
                     rkey: key.rkey,
                 }
             })
-            .collect();
-        let deadline = Instant::now() + self.node.cfg.slice_deadline;
+            .collect())
+    }
+
+    /// Everything needed is at hand (connected, key known, memory registered): start the run
+    /// without blocking I/O. `None` when something must be fetched first.
+    fn start_ready(&self, op: &SliceOp) -> Option<Result<Run>> {
+        let conn = self
+            .conn
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .filter(|c| !c.qp.is_error())?;
+        let key = self
+            .keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&op.grant.epoch)
+            .filter(|(w, _)| *w == op.grant)
+            .map(|(_, k)| *k)?;
+        let local = self
+            .node
+            .lock_local()
+            .get(&op.local.addr())
+            .filter(|r| Arc::ptr_eq(r.region(), &op.local))
+            .cloned()?;
+        Some(self.remote_ops(op, &key, &local).and_then(|ops| {
+            conn.qp
+                .start(ops, Instant::now() + self.node.cfg.slice_deadline)
+        }))
+    }
+
+    /// Connects, resolves the key and registers as needed (blocking), then starts the run.
+    fn start(&self, op: &SliceOp) -> Result<Run> {
+        let conn = self.connection()?;
+        let key = self.key(&conn, op.kind.access(), op.grant)?;
+        let local = self.node.local_registration(&op.local)?;
+        let ops = self.remote_ops(op, &key, &local)?;
         conn.qp
-            .run_cancellable(&ops, deadline, Some(cancel))
-            .inspect_err(|e| {
-                if e.kind() == ErrorKind::AccessDenied {
-                    // a refused key is stale (revoked): forget it
-                    self.keys
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&op.grant.epoch);
-                }
-            })
+            .start(ops, Instant::now() + self.node.cfg.slice_deadline)
+    }
+
+    /// A failed slice: a refused key is stale (revoked), so forget it.
+    fn failed(&self, e: Error, op: &SliceOp) -> Error {
+        if e.kind() == ErrorKind::AccessDenied {
+            self.keys
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&op.grant.epoch);
+        }
+        e.with_peer(&self.peer)
     }
 }
+
+/// Slices at most this long first spin on the runtime thread for [`INLINE_SPIN`] before their
+/// completion wait moves to a blocking thread: a thread hand-off costs more than a small
+/// write's whole round trip.
+const INLINE_MAX: u64 = 64 << 10;
+const INLINE_SPIN: Duration = Duration::from_micros(200);
 
 fn fmt_gid(g: &[u8; 16]) -> std::net::Ipv6Addr {
     std::net::Ipv6Addr::from(*g)
@@ -688,14 +736,45 @@ impl Link for RdmaLink {
     fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
         let this = self.0.clone();
         Box::pin(async move {
+            // one run at a time on the link's queue pair; waiting here is async
+            let permit = this
+                .serial
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
             let cancel = Arc::new(AtomicBool::new(false));
             let guard = CancelOnDrop(cancel.clone());
-            let peer = this.peer.clone();
-            let r = tokio::task::spawn_blocking(move || this.run(&op, &cancel))
-                .await
-                .map_err(|e| Error::new(ErrorKind::Io, format!("rdma slice task: {e}")))?;
+            let mut ready = None;
+            if op.len <= INLINE_MAX
+                && let Some(run) = this.start_ready(&op)
+            {
+                let mut run = run.map_err(|e| this.failed(e, &op))?;
+                match run.pump(Instant::now() + INLINE_SPIN, None) {
+                    Ok(true) => return Ok(()),
+                    Err(e) => return Err(this.failed(e, &op)),
+                    Ok(false) => ready = Some(run),
+                }
+            }
+            let shared = this.clone();
+            let op2 = op.clone();
+            let c = cancel.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                let _serial = permit;
+                let mut run = match ready {
+                    Some(run) => run,
+                    None => shared.start(&op2)?,
+                };
+                run.pump(
+                    Instant::now() + shared.node.cfg.slice_deadline * 2,
+                    Some(&c),
+                )
+                .map(|_| ())
+            })
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma slice task: {e}")))?;
             drop(guard);
-            r.map_err(|e| e.with_peer(peer))
+            r.map_err(|e| this.failed(e, &op))
         })
     }
 

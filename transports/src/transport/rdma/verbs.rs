@@ -10,7 +10,7 @@
 //! Every refusal is an [`Error`] naming the device, the port and the step that failed.
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -533,10 +533,10 @@ impl Drop for CompletionQueue {
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// One one-sided operation for [`QueuePair::run`].
-#[derive(Debug, Clone, Copy)]
-pub struct RemoteOp<'a> {
+#[derive(Debug, Clone)]
+pub struct RemoteOp {
     pub write: bool,
-    pub local: &'a MemoryRegistration,
+    pub local: Arc<MemoryRegistration>,
     /// Offset within `local`.
     pub local_offset: u64,
     pub len: u32,
@@ -554,8 +554,9 @@ pub struct QueuePair {
     /// Work requests posted and not yet completed never exceed this.
     max_outstanding: u32,
     next_wr: std::sync::atomic::AtomicU64,
-    /// One caller at a time posts and reaps (completions are matched to that caller's requests).
-    exclusive: Mutex<()>,
+    /// Claimed by one [`Run`] (or bind / invalidate) at a time: completions are matched to
+    /// that caller's requests.
+    busy: AtomicBool,
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -605,7 +606,7 @@ impl QueuePair {
             psn: u32::from_le_bytes(psn) & 0x00ff_ffff,
             max_outstanding,
             next_wr: std::sync::atomic::AtomicU64::new(1),
-            exclusive: Mutex::new(()),
+            busy: AtomicBool::new(false),
         }))
     }
 
@@ -745,20 +746,27 @@ impl QueuePair {
     /// first failed completion, or when `deadline` passes, the queue pair is moved to ERROR
     /// and drained (every posted request completed) before this returns: the device touches
     /// none of `ops`' memory after that. The queue pair is then unusable (reconnect).
-    pub fn run(&self, ops: &[RemoteOp<'_>], deadline: Instant) -> Result<()> {
+    pub fn run(self: &Arc<Self>, ops: &[RemoteOp], deadline: Instant) -> Result<()> {
         self.run_cancellable(ops, deadline, None)
     }
 
     /// [`run`](Self::run), also stopped (ERROR, drained, `Canceled`) once `cancel` is set;
     /// checked at least every 20 ms.
     pub fn run_cancellable(
-        &self,
-        ops: &[RemoteOp<'_>],
+        self: &Arc<Self>,
+        ops: &[RemoteOp],
         deadline: Instant,
-        cancel: Option<&std::sync::atomic::AtomicBool>,
+        cancel: Option<&AtomicBool>,
     ) -> Result<()> {
-        let _one = self.exclusive.lock().unwrap_or_else(|p| p.into_inner());
-        for op in ops {
+        self.start(ops.to_vec(), deadline)?
+            .pump(deadline, cancel)
+            .map(|_| ())
+    }
+
+    /// Claims the queue pair (waiting while another run holds it), checks `ops` and returns a
+    /// [`Run`] that posts and reaps them as it is pumped.
+    pub fn start(self: &Arc<Self>, ops: Vec<RemoteOp>, deadline: Instant) -> Result<Run> {
+        for op in &ops {
             op.local
                 .region
                 .check(op.local.offset + op.local_offset, op.len as u64)?;
@@ -772,96 +780,32 @@ impl QueuePair {
                 ));
             }
         }
-        let mut next = 0usize;
-        let mut outstanding = 0u32;
-        let mut failure: Option<Error> = None;
-        let mut done = Vec::with_capacity(self.max_outstanding as usize);
-        let first_id = self.next_wr.load(Ordering::Relaxed);
-        while next < ops.len() || outstanding > 0 {
-            while failure.is_none() && next < ops.len() && outstanding < self.max_outstanding {
-                let op = &ops[next];
-                let wr = raw::SendWr::Rdma {
-                    wr_id: self.wr_id(),
-                    write: op.write,
-                    lkey: op.local.lkey(),
-                    addr: op.local.addr() + op.local_offset,
-                    len: op.len,
-                    remote_addr: op.remote_addr,
-                    rkey: op.rkey,
-                };
-                if let Err(e) = self.post(wr) {
-                    failure = Some(e);
-                    break;
-                }
-                next += 1;
-                outstanding += 1;
-            }
-            if outstanding == 0 {
-                break;
-            }
-            done.clear();
-            let step = deadline.min(Instant::now() + Duration::from_millis(20));
-            let got = self.cq.wait(&mut done, step)?;
-            let canceled = cancel.is_some_and(|c| c.load(Ordering::Acquire));
-            if got == 0 && canceled {
-                if failure.is_none() {
-                    failure = Some(Error::new(
-                        ErrorKind::Canceled,
-                        format!(
-                            "rdma: canceled with {outstanding} work requests in flight on {} port {}",
-                            self.device.name, self.port
-                        ),
-                    ));
-                }
-                self.drain(outstanding)?;
-                break;
-            }
-            if got == 0 && Instant::now() < deadline {
-                continue;
-            }
-            if got == 0 {
-                // deadline: stop the device first, then collect every posted request
-                if failure.is_none() {
-                    failure = Some(Error::new(
-                        ErrorKind::TimedOut,
-                        format!(
-                            "rdma: {outstanding} work requests on {} port {} queue pair {} not complete by the deadline",
-                            self.device.name,
-                            self.port,
-                            self.qpn()
-                        ),
-                    ));
-                }
-                self.drain(outstanding)?;
-                break;
-            }
-            for c in &done {
-                debug_assert!(c.wr_id >= first_id);
-                outstanding -= 1;
-                if !c.ok() && failure.is_none() {
-                    let i = (c.wr_id - first_id) as usize;
-                    let what = ops
-                        .get(i)
-                        .map(|o| {
-                            format!(
-                                "RDMA {} of {} bytes at {:#x} rkey {:#x}",
-                                if o.write { "WRITE" } else { "READ" },
-                                o.len,
-                                o.remote_addr,
-                                o.rkey
-                            )
-                        })
-                        .unwrap_or_else(|| "work request".into());
-                    failure = Some(completion_error(c, &what));
-                    // Move to ERROR now so the rest flush instead of running.
-                    let _ = self.set_error();
-                }
-            }
+        self.claim();
+        Ok(Run {
+            qp: self.clone(),
+            first_id: self.next_wr.load(Ordering::Relaxed),
+            ops,
+            next: 0,
+            outstanding: 0,
+            failure: None,
+            deadline,
+            done: Vec::with_capacity(self.max_outstanding as usize),
+            finished: false,
+        })
+    }
+
+    fn claim(&self) {
+        while self
+            .busy
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::thread::sleep(Duration::from_micros(20));
         }
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+    }
+
+    fn release(&self) {
+        self.busy.store(false, Ordering::Release);
     }
 
     /// Moves to ERROR and waits until `outstanding` completions (flushed or not) arrived.
@@ -888,7 +832,13 @@ impl QueuePair {
     /// Posts one request and waits for its completion (bind / invalidate, used at grant and
     /// revoke time).
     fn post_and_wait(&self, wr: raw::SendWr, what: &str, deadline: Instant) -> Result<()> {
-        let _one = self.exclusive.lock().unwrap_or_else(|p| p.into_inner());
+        self.claim();
+        let r = self.post_and_wait_claimed(wr, what, deadline);
+        self.release();
+        r
+    }
+
+    fn post_and_wait_claimed(&self, wr: raw::SendWr, what: &str, deadline: Instant) -> Result<()> {
         self.post(wr)?;
         let mut done = Vec::new();
         let n = self.cq.wait(&mut done, deadline)?;
@@ -948,6 +898,154 @@ impl QueuePair {
             rkey,
         };
         self.post_and_wait(wr, "local invalidate", deadline)
+    }
+}
+
+/// One claimed run of one-sided operations on a queue pair: [`pump`](Run::pump) it until it
+/// finishes. It may be pumped on one thread for a while (a short inline spin) and finished on
+/// another. Dropped unfinished, it moves the queue pair to ERROR and drains it first.
+pub struct Run {
+    qp: Arc<QueuePair>,
+    ops: Vec<RemoteOp>,
+    next: usize,
+    outstanding: u32,
+    failure: Option<Error>,
+    first_id: u64,
+    deadline: Instant,
+    done: Vec<Completion>,
+    finished: bool,
+}
+
+impl std::fmt::Debug for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Run")
+            .field("ops", &self.ops.len())
+            .field("next", &self.next)
+            .field("outstanding", &self.outstanding)
+            .finish()
+    }
+}
+
+impl Run {
+    /// Posts what fits and reaps completions until every operation completed (`Ok(true)`),
+    /// `until` passed with work left (`Ok(false)`: pump again), or it failed: a failed
+    /// completion, the run's deadline, or `cancel` (then the queue pair is in ERROR and
+    /// drained before this returns).
+    pub fn pump(&mut self, until: Instant, cancel: Option<&AtomicBool>) -> Result<bool> {
+        if self.finished {
+            return Ok(true);
+        }
+        let r = self.pump_inner(until, cancel);
+        if !matches!(r, Ok(false)) {
+            self.finished = true;
+            self.qp.release();
+        }
+        r
+    }
+
+    fn pump_inner(&mut self, until: Instant, cancel: Option<&AtomicBool>) -> Result<bool> {
+        let qp = self.qp.clone();
+        loop {
+            while self.failure.is_none()
+                && self.next < self.ops.len()
+                && self.outstanding < qp.max_outstanding
+            {
+                let op = &self.ops[self.next];
+                let wr = raw::SendWr::Rdma {
+                    wr_id: qp.wr_id(),
+                    write: op.write,
+                    lkey: op.local.lkey(),
+                    addr: op.local.addr() + op.local_offset,
+                    len: op.len,
+                    remote_addr: op.remote_addr,
+                    rkey: op.rkey,
+                };
+                if let Err(e) = qp.post(wr) {
+                    self.failure = Some(e);
+                    let _ = qp.set_error();
+                    break;
+                }
+                self.next += 1;
+                self.outstanding += 1;
+            }
+            if self.outstanding == 0 {
+                return match self.failure.take() {
+                    Some(e) => Err(e),
+                    None => Ok(true),
+                };
+            }
+            self.done.clear();
+            let step = self
+                .deadline
+                .min(until)
+                .min(Instant::now() + Duration::from_millis(20));
+            let got = qp.cq.wait(&mut self.done, step)?;
+            if got == 0 {
+                let now = Instant::now();
+                let why = if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
+                    Some((ErrorKind::Canceled, "canceled"))
+                } else if now >= self.deadline {
+                    Some((ErrorKind::TimedOut, "not complete by the deadline"))
+                } else {
+                    None
+                };
+                if let Some((kind, what)) = why {
+                    // stop the device first, then collect every posted request
+                    let e = Error::new(
+                        kind,
+                        format!(
+                            "rdma: {} work requests on {} port {} queue pair {} {what}",
+                            self.outstanding,
+                            qp.device.name,
+                            qp.port,
+                            qp.qpn()
+                        ),
+                    );
+                    let n = std::mem::take(&mut self.outstanding);
+                    qp.drain(n)?;
+                    return Err(self.failure.take().unwrap_or(e));
+                }
+                if now >= until {
+                    return Ok(false);
+                }
+                continue;
+            }
+            for i in 0..self.done.len() {
+                let c = self.done[i];
+                self.outstanding = self.outstanding.saturating_sub(1);
+                if !c.ok() && self.failure.is_none() {
+                    let what = c
+                        .wr_id
+                        .checked_sub(self.first_id)
+                        .and_then(|i| self.ops.get(i as usize))
+                        .map(|o| {
+                            format!(
+                                "RDMA {} of {} bytes at {:#x} rkey {:#x}",
+                                if o.write { "WRITE" } else { "READ" },
+                                o.len,
+                                o.remote_addr,
+                                o.rkey
+                            )
+                        })
+                        .unwrap_or_else(|| "work request".into());
+                    self.failure = Some(completion_error(&c, &what));
+                    // ERROR now, so the rest flush instead of running
+                    let _ = qp.set_error();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if !self.finished {
+            if self.outstanding > 0 {
+                // the device must not touch these buffers once they may be reused
+                let _ = self.qp.drain(self.outstanding);
+            }
+            self.qp.release();
+        }
     }
 }
 
