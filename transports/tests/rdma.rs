@@ -746,3 +746,195 @@ fn a_canceled_run_moves_the_queue_pair_to_error_and_drains_it() {
             .unwrap()
     );
 }
+
+/// Two RoCE nodes (two VMs): node 0 serves a write grant and a read grant, node 1 pushes and
+/// pulls through the rdma link, then writes again after node 0 revoked: refused, bytes kept.
+/// `ci/softroce.sh run --vms 2 -- target/debug/deps/rdma-* --exact two_nodes_push_pull_and_revoke`.
+#[test]
+fn two_nodes_push_pull_and_revoke() {
+    use omnirig_transports::grant::{Access, Grant, GrantSpec, GrantTable};
+    use omnirig_transports::segment::SegmentDescriptor;
+    use omnirig_transports::transport::rdma::link::{
+        Admit, RdmaConfig, RdmaNode, RdmaServer, RdmaTransport,
+    };
+    use omnirig_transports::transport::{OpKind, SliceOp, Transport};
+    use std::path::PathBuf;
+
+    let (Ok(node), Ok(run)) = (
+        std::env::var("SOFTROCE_NODE"),
+        std::env::var("SOFTROCE_RUN"),
+    ) else {
+        eprintln!(
+            "SKIPPED two_nodes_push_pull_and_revoke: needs two RoCE nodes; run it with \
+             `ci/softroce.sh run --vms 2 -- <rdma test binary> --exact two_nodes_push_pull_and_revoke`"
+        );
+        return;
+    };
+    if std::env::var("SOFTROCE_NODES").as_deref() != Ok("2") {
+        eprintln!("SKIPPED two_nodes_push_pull_and_revoke: one VM (pass --vms 2)");
+        return;
+    }
+    let Some(_) = device("two_nodes_push_pull_and_revoke") else {
+        return;
+    };
+    let run = PathBuf::from(run);
+    let wait = |name: &str| {
+        let p = run.join(name);
+        let t = Instant::now();
+        while !p.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "the other node never wrote {name}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::fs::read(&p).unwrap()
+    };
+    let put = |name: &str, b: &[u8]| {
+        let tmp = run.join(format!("{name}.tmp"));
+        std::fs::write(&tmp, b).unwrap();
+        std::fs::rename(tmp, run.join(name)).unwrap();
+    };
+    const LEN: u64 = 4 << 20;
+    let ip = std::env::var("SOFTROCE_IP").unwrap();
+    if node == "0" {
+        let buf = region((2 * LEN) as usize, |_| 0);
+        // the second half holds what node 1 will pull
+        buf.write(LEN, &(0..LEN as usize).map(pattern(77)).collect::<Vec<_>>())
+            .unwrap();
+        let table = Arc::new(std::sync::Mutex::new(GrantTable::default()));
+        let (t, r) = (table.clone(), buf.clone());
+        let admit: Admit = Arc::new(move |access, wire| {
+            let a = t.lock().unwrap().admit(access, wire, 0, 1)?;
+            Ok((a.entry.grant.clone(), r.clone()))
+        });
+        let rn = RdmaNode::open(RdmaConfig {
+            listen: format!("{ip}:18500").parse().unwrap(),
+            ..RdmaConfig::default()
+        })
+        .unwrap();
+        let server = RdmaServer::start(rn.clone(), admit).unwrap();
+        let issue = |offset, access| {
+            table
+                .lock()
+                .unwrap()
+                .issue(
+                    "node0",
+                    GrantSpec {
+                        buffer: 1,
+                        buffer_len: 2 * LEN,
+                        offset,
+                        len: LEN,
+                        access,
+                        expires: None,
+                        token: 99 + offset,
+                        lease: false,
+                    },
+                )
+                .unwrap()
+        };
+        let (wg, rg) = (issue(0, Access::Write), issue(LEN, Access::Read));
+        let hex = |b: Vec<u8>| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        put(
+            "grants",
+            format!("{}\n{}", hex(wg.to_bytes()), hex(rg.to_bytes())).as_bytes(),
+        );
+        wait("pushed");
+        let got = contents(&buf);
+        let want: Vec<u8> = (0..LEN as usize).map(pattern(11)).collect();
+        assert_eq!(
+            &got[..LEN as usize],
+            &want[..],
+            "node 0: pushed bytes differ"
+        );
+        assert!(table.lock().unwrap().revoke(wg.epoch));
+        rn.on_revoke(&wg.wire()).unwrap();
+        put("revoked", b"");
+        let verdict = wait("after-revoke");
+        assert_eq!(
+            contents(&buf),
+            got,
+            "node 0: a write after revoke changed bytes"
+        );
+        println!(
+            "RESULT two nodes: node 0 saw the push bit-exact; after revoke: {}",
+            String::from_utf8_lossy(&verdict)
+        );
+        drop(server);
+    } else {
+        let raw = wait("grants");
+        let unhex = |l: &str| {
+            (0..l.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&l[i..i + 2], 16).unwrap())
+                .collect::<Vec<u8>>()
+        };
+        let text = String::from_utf8(raw).unwrap();
+        let mut lines = text.lines();
+        let wg = Grant::from_bytes(&unhex(lines.next().unwrap())).unwrap();
+        let rg = Grant::from_bytes(&unhex(lines.next().unwrap())).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let rn = RdmaNode::open(RdmaConfig::default()).unwrap();
+        let tr = RdmaTransport::new(rn);
+        let peer = std::env::var("SOFTROCE_PEER_IP").unwrap();
+        tr.add_peer("node0", format!("{peer}:18500").parse().unwrap());
+        let desc = SegmentDescriptor {
+            name: "node0".into(),
+            instance: 1,
+            tcp: None,
+            buffers: vec![],
+            shm: None,
+        };
+        let link = rt.block_on(tr.connect(desc)).unwrap();
+        let src = region(LEN as usize, pattern(11));
+        let back = region(LEN as usize, |_| 0);
+        let go = |kind, local: &Arc<Region>, g: &Grant, len: u64| {
+            let slice = link.slicing().slice_size;
+            let mut off = 0;
+            while off < len {
+                let n = slice.min(len - off);
+                rt.block_on(link.execute(SliceOp {
+                    kind,
+                    local: local.clone(),
+                    local_offset: off,
+                    grant: g.wire(),
+                    grant_offset: off,
+                    len: n,
+                    tag: 1,
+                    request_offset: off,
+                    request_len: len,
+                }))?;
+                off += n;
+            }
+            Ok::<_, omnirig_transports::Error>(())
+        };
+        let t = Instant::now();
+        go(OpKind::Write, &src, &wg, LEN).unwrap();
+        let push = t.elapsed();
+        let t = Instant::now();
+        go(OpKind::Read, &back, &rg, LEN).unwrap();
+        let pull = t.elapsed();
+        assert_eq!(
+            contents(&back),
+            (0..LEN as usize).map(pattern(77)).collect::<Vec<_>>(),
+            "node 1: pulled bytes differ"
+        );
+        put("pushed", b"");
+        wait("revoked");
+        let e = go(OpKind::Write, &back, &wg, 4096).unwrap_err();
+        put("after-revoke", e.to_string().as_bytes());
+        assert_eq!(e.kind(), ErrorKind::AccessDenied, "{e}");
+        assert!(e.detail().contains("IBV_WC_REM_ACCESS_ERR"), "{e}");
+        println!(
+            "RESULT two nodes: push 4 MiB {:.0} ms ({:.1} MB/s), pull {:.0} ms ({:.1} MB/s), write after revoke: {e}",
+            push.as_secs_f64() * 1e3,
+            LEN as f64 / push.as_secs_f64() / 1e6,
+            pull.as_secs_f64() * 1e3,
+            LEN as f64 / pull.as_secs_f64() / 1e6
+        );
+    }
+}
