@@ -24,10 +24,17 @@ fn device(test: &str) -> Option<Arc<Device>> {
             panic!("{test}: OMNIRIG_RDMA_REQUIRED=1 but {e}")
         }
         Err(e) => {
-            eprintln!("SKIPPED {test}: {e}. {}", verbs::HOW_TO_RUN);
+            skipped(&format!("{test}: {e}. {}", verbs::HOW_TO_RUN));
             None
         }
     }
+}
+
+/// Says a test was skipped where the person running cargo test sees it: straight to stderr,
+/// past libtest's capture of passing tests' output.
+fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {why}");
 }
 
 fn deadline() -> Instant {
@@ -764,14 +771,14 @@ fn two_nodes_push_pull_and_revoke() {
         std::env::var("SOFTROCE_NODE"),
         std::env::var("SOFTROCE_RUN"),
     ) else {
-        eprintln!(
-            "SKIPPED two_nodes_push_pull_and_revoke: needs two RoCE nodes; run it with \
-             `ci/softroce.sh run --vms 2 -- <rdma test binary> --exact two_nodes_push_pull_and_revoke`"
+        skipped(
+            "two_nodes_push_pull_and_revoke: needs two RoCE nodes; run it with \
+             `ci/softroce.sh run --vms 2 -- <rdma test binary> --exact two_nodes_push_pull_and_revoke`",
         );
         return;
     };
     if std::env::var("SOFTROCE_NODES").as_deref() != Ok("2") {
-        eprintln!("SKIPPED two_nodes_push_pull_and_revoke: one VM (pass --vms 2)");
+        skipped("two_nodes_push_pull_and_revoke: one VM (pass --vms 2)");
         return;
     }
     let Some(_) = device("two_nodes_push_pull_and_revoke") else {
