@@ -22,7 +22,14 @@ use omnirig_transports::transport::rdma::verbs::RemoteOp;
 use omnirig_transports::transport::{OpKind, SliceOp, Transport};
 use omnirig_transports::{Error, ErrorKind};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() {
+    if let Err(e) = bench() {
+        eprintln!("rdma_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn bench() -> Result<(), Box<dyn std::error::Error>> {
     let seconds: f64 = std::env::args()
         .nth(1)
         .map(|s| s.parse())

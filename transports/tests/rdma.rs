@@ -704,6 +704,76 @@ mod transport {
         );
     }
 
+    fn descriptor_named(name: &str) -> SegmentDescriptor {
+        SegmentDescriptor {
+            name: name.into(),
+            ..descriptor()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_peer_does_not_starve_a_healthy_one_and_its_link_recovers() {
+        if device("a_dead_peer_does_not_starve_a_healthy_one_and_its_link_recovers").is_none() {
+            return;
+        }
+        const MB: u64 = 1 << 20;
+        let dead_buf = region(MB as usize, |_| 0);
+        let ok_buf = region(4 * MB as usize, |_| 0);
+        let t_dead = target(HashMap::from([(1, dead_buf.clone())]));
+        let t_ok = target(HashMap::from([(1, ok_buf.clone())]));
+        let transport = RdmaTransport::new(RdmaNode::open(RdmaConfig::default()).unwrap());
+        transport.add_peer("dead", t_dead.server.addr());
+        transport.add_peer("ok", t_ok.server.addr());
+        let link_dead = transport.connect(descriptor_named("dead")).await.unwrap();
+        let link_ok = transport.connect(descriptor_named("ok")).await.unwrap();
+        let gd = t_dead.grant(1, MB, 0, MB, Access::Write);
+        let go = t_ok.grant(1, 4 * MB, 0, 4 * MB, Access::Write);
+        let src = region(4 * MB as usize, pattern(5));
+        // both links connected and holding their keys: what follows is the data path only
+        transfer(&link_dead, OpKind::Write, &src, &gd, 4096)
+            .await
+            .unwrap();
+        transfer(&link_ok, OpKind::Write, &src, &go, 4096)
+            .await
+            .unwrap();
+
+        t_dead.server.fail_queue_pairs(); // the dead peer answers nothing from now on
+        let (l, s, g) = (link_dead.clone(), src.clone(), gd.clone());
+        let stuck = tokio::spawn(async move {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(2),
+                transfer(&l, OpKind::Write, &s, &g, MB),
+            )
+            .await
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        // meanwhile the healthy peer's transfer runs to the end
+        transfer(&link_ok, OpKind::Write, &src, &go, 4 * MB)
+            .await
+            .unwrap();
+        assert_eq!(contents(&ok_buf), contents(&src));
+        let healthy_done_while_stuck = !stuck.is_finished();
+        match stuck.await.unwrap() {
+            Err(_elapsed) => {}
+            Ok(Err(e)) => assert_eq!(e.kind(), ErrorKind::PeerDisconnected, "{e}"),
+            Ok(Ok(())) => panic!("a write to a dead peer succeeded"),
+        }
+        // the canceled transfer was drained: nothing past the warm-up landed
+        let d = contents(&dead_buf);
+        assert!(
+            d[4096..].iter().all(|&x| x == 0),
+            "a canceled write landed later"
+        );
+        println!(
+            "RESULT dead peer: healthy 4 MiB finished while the dead transfer was pending: {healthy_done_while_stuck}"
+        );
+        // the broken queue pair is replaced on next use (the control connection still works)
+        transfer(&link_dead, OpKind::Write, &src, &gd, MB)
+            .await
+            .unwrap();
+        assert_eq!(&contents(&dead_buf)[..], &contents(&src)[..MB as usize]);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_unreachable_peer_fails_at_connect_naming_it() {
         if device("an_unreachable_peer_fails_at_connect_naming_it").is_none() {

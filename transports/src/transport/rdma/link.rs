@@ -338,6 +338,10 @@ fn decode_resolve(p: &[u8]) -> Result<(Access, GrantRef)> {
 pub struct RdmaServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    /// Queue pairs of live control connections (for fault injection: [`fail_queue_pairs`]).
+    ///
+    /// [`fail_queue_pairs`]: RdmaServer::fail_queue_pairs
+    accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>>,
     accept: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -350,6 +354,8 @@ impl RdmaServer {
             .map_err(|e| io_err("local address", e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        let accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>> = Arc::default();
+        let accepted2 = accepted.clone();
         let accept = std::thread::Builder::new()
             .name("rdma-control".into())
             .spawn(move || {
@@ -359,21 +365,33 @@ impl RdmaServer {
                     }
                     let Ok(conn) = conn else { continue };
                     let (node, admit) = (node.clone(), admit.clone());
+                    let accepted = accepted2.clone();
                     let _ = std::thread::Builder::new()
                         .name("rdma-peer".into())
-                        .spawn(move || serve(conn, node, admit));
+                        .spawn(move || serve(conn, node, admit, accepted));
                 }
             })
             .map_err(|e| io_err("spawn the control thread", e))?;
         Ok(Self {
             addr,
             stop,
+            accepted,
             accept: Some(accept),
         })
     }
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Moves every queue pair peers connected to ERROR, as if this node died: peers' requests
+    /// get no answer until they give up (fault injection).
+    pub fn fail_queue_pairs(&self) {
+        let mut a = self.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        a.retain(|w| w.strong_count() > 0);
+        for qp in a.iter().filter_map(|w| w.upgrade()) {
+            let _ = qp.set_error();
+        }
     }
 }
 
@@ -390,7 +408,12 @@ impl Drop for RdmaServer {
 
 /// One peer's control connection. Its queue pairs live as long as the connection; when it
 /// closes they are moved to ERROR (nothing more lands) and destroyed.
-fn serve(mut s: TcpStream, node: Arc<RdmaNode>, admit: Admit) {
+fn serve(
+    mut s: TcpStream,
+    node: Arc<RdmaNode>,
+    admit: Admit,
+    accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>>,
+) {
     let _ = s.set_nodelay(true);
     let mut qps: Vec<Arc<QueuePair>> = Vec::new();
     while let Ok((kind, p)) = read_frame(&mut s) {
@@ -409,6 +432,10 @@ fn serve(mut s: TcpStream, node: Arc<RdmaNode>, admit: Admit) {
                     peer_qpn = remote.qpn,
                     "rdma: accepted a queue pair from a peer"
                 );
+                accepted
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(Arc::downgrade(&qp));
                 qps.push(qp);
                 Ok(local.to_bytes())
             })(),
@@ -782,5 +809,45 @@ impl Link for RdmaLink {
         if let Some(c) = self.0.conn.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = c.qp.set_error();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_requests_round_trip_and_refuse_bad_input() {
+        let g = GrantRef {
+            buffer: 3,
+            epoch: 9,
+            token: 0xfeed,
+        };
+        let b = encode_resolve(Access::Read, &g);
+        assert_eq!(decode_resolve(&b).unwrap(), (Access::Read, g));
+        let e = decode_resolve(&b[..20]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Malformed);
+        assert!(e.detail().contains("expected 21"), "{e}");
+        let mut bad = b.clone();
+        bad[0] = 7;
+        assert!(
+            decode_resolve(&bad)
+                .unwrap_err()
+                .detail()
+                .contains("unknown access 7")
+        );
+    }
+
+    #[test]
+    fn error_replies_keep_their_kind_and_refuse_unknown_codes() {
+        let e = Error::new(ErrorKind::GrantRevoked, "grant epoch 4 was revoked");
+        let back = decode_error(&error_payload(&e));
+        assert_eq!(back.kind(), ErrorKind::GrantRevoked);
+        assert_eq!(back.detail(), "grant epoch 4 was revoked");
+        assert_eq!(
+            decode_error(&[0xff, 0xff, b'x']).kind(),
+            ErrorKind::Malformed
+        );
+        assert_eq!(decode_error(&[1]).kind(), ErrorKind::Malformed);
     }
 }
