@@ -50,7 +50,7 @@ fn bench() -> Result<(), Box<dyn std::error::Error>> {
             .get(&wire.buffer)
             .cloned()
             .ok_or_else(|| Error::new(ErrorKind::UnknownBuffer, "no buffer"))?;
-        Ok((a.entry.grant.clone(), region))
+        Ok((region, a.entry.grant.clone()))
     });
     let target = RdmaNode::open(RdmaConfig::default())?;
     let server = RdmaServer::start(target.clone(), admit)?;

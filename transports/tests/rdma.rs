@@ -516,11 +516,12 @@ mod transport {
     use omnirig_transports::{Error, ErrorKind};
     use tracing_test::traced_test;
 
-    use super::{contents, device, pattern, region};
+    use super::{FenceKind, contents, device, pattern, region};
 
     struct Target {
         node: Arc<RdmaNode>,
         table: Arc<Mutex<GrantTable>>,
+        regions: Arc<HashMap<u32, Arc<Region>>>,
         server: RdmaServer,
     }
 
@@ -528,6 +529,7 @@ mod transport {
         let node = RdmaNode::open(RdmaConfig::default()).unwrap();
         let table = Arc::new(Mutex::new(GrantTable::default()));
         let (t, r) = (table.clone(), Arc::new(regions));
+        let r2 = r.clone();
         // what the engine's admission handle does: the grant table's check, then the buffer
         let admit: Admit = Arc::new(move |access, wire| {
             let a = t.lock().unwrap().admit(access, wire, 0, 1)?;
@@ -535,19 +537,21 @@ mod transport {
                 .get(&wire.buffer)
                 .cloned()
                 .ok_or_else(|| Error::new(ErrorKind::UnknownBuffer, "no such buffer"))?;
-            Ok((a.entry.grant.clone(), region))
+            Ok((region, a.entry.grant.clone()))
         });
         let server = RdmaServer::start(node.clone(), admit).unwrap();
         Target {
             node,
             table,
+            regions: r2,
             server,
         }
     }
 
     impl Target {
         fn grant(&self, buffer: u32, len_of: u64, offset: u64, len: u64, access: Access) -> Grant {
-            self.table
+            let g = self
+                .table
                 .lock()
                 .unwrap()
                 .issue(
@@ -563,12 +567,22 @@ mod transport {
                         lease: false,
                     },
                 )
+                .unwrap();
+            // what the engine's grant hook does: the key is made when the grant is issued
+            let key = self
+                .node
+                .on_grant(&g, &self.regions[&buffer])
                 .unwrap()
+                .unwrap();
+            let key =
+                omnirig_transports::transport::rdma::keys::GrantKey::from_bytes(&key).unwrap();
+            assert_eq!((key.len, key.fence), (len, FenceKind::Region));
+            g
         }
 
         fn revoke(&self, g: &Grant) {
             assert!(self.table.lock().unwrap().revoke(g.epoch));
-            self.node.on_revoke(&g.wire()).unwrap();
+            self.node.revoke_grant(&g.wire()).unwrap();
         }
     }
 
@@ -883,7 +897,7 @@ fn two_nodes_push_pull_and_revoke() {
         let (t, r) = (table.clone(), buf.clone());
         let admit: Admit = Arc::new(move |access, wire| {
             let a = t.lock().unwrap().admit(access, wire, 0, 1)?;
-            Ok((a.entry.grant.clone(), r.clone()))
+            Ok((r.clone(), a.entry.grant.clone()))
         });
         let rn = RdmaNode::open(RdmaConfig {
             listen: format!("{ip}:18500").parse().unwrap(),
@@ -925,7 +939,7 @@ fn two_nodes_push_pull_and_revoke() {
             "node 0: pushed bytes differ"
         );
         assert!(table.lock().unwrap().revoke(wg.epoch));
-        rn.on_revoke(&wg.wire()).unwrap();
+        rn.revoke_grant(&wg.wire()).unwrap();
         put("revoked", b"");
         let verdict = wait("after-revoke");
         assert_eq!(

@@ -67,8 +67,9 @@ impl Default for RdmaConfig {
 }
 
 /// Checks a grant access on the target: the engine's admission (grant table, token, expiry,
-/// access kind); returns the grant and the buffer's region.
-pub type Admit = Arc<dyn Fn(Access, GrantRef) -> Result<(Grant, Arc<Region>)> + Send + Sync>;
+/// access kind); returns the buffer's region and the grant. With the seam's `Admission`:
+/// `admission.admit(access, wire, 0, 1).map(|(r, a)| (r, a.entry.grant.clone()))`.
+pub type Admit = Arc<dyn Fn(Access, GrantRef) -> Result<(Arc<Region>, Grant)> + Send + Sync>;
 
 /// One engine's use of one RDMA device: local registrations, and the fences of grants it issued.
 pub struct RdmaNode {
@@ -131,14 +132,21 @@ impl RdmaNode {
         self.gid_index
     }
 
-    /// Registers a region for local use (the source of writes, the landing of reads).
-    pub fn on_register(&self, region: &Arc<Region>) -> Result<()> {
+    /// The register hook: registers a buffer's region for local use (the source of writes,
+    /// the landing of reads).
+    pub fn on_register(&self, _buffer: u32, region: &Arc<Region>) -> Result<()> {
         self.local_registration(region).map(|_| ())
     }
 
-    /// Drops a region's local registration (in-flight slices hold their own reference).
-    pub fn on_unregister(&self, region: &Region) {
+    /// The unregister hook: drops the region's local registration (in-flight slices hold
+    /// their own reference until their work requests completed).
+    pub fn on_unregister(&self, _buffer: u32, region: &Arc<Region>) {
         self.lock_local().remove(&region.addr());
+    }
+
+    /// The grant-issue hook: the key bytes the grant carries to initiators.
+    pub fn on_grant(&self, grant: &Grant, region: &Arc<Region>) -> Result<Option<Vec<u8>>> {
+        Ok(Some(self.grant_key(grant, region)?.to_bytes()))
     }
 
     fn lock_local(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Arc<MemoryRegistration>>> {
@@ -187,8 +195,18 @@ impl RdmaNode {
         Ok(key)
     }
 
+    /// The revoke hook: once this returns, the grant's rkey is refused by the device.
+    pub fn on_revoke(&self, grant: &GrantRef) {
+        if let Err(e) = self.revoke_grant(grant) {
+            tracing::error!(
+                epoch = grant.epoch,
+                "rdma: closing a revoked grant's fence: {e}"
+            );
+        }
+    }
+
     /// Closes a grant's fence: once this returns, its rkey is refused by the device.
-    pub fn on_revoke(&self, grant: &GrantRef) -> Result<()> {
+    pub fn revoke_grant(&self, grant: &GrantRef) -> Result<()> {
         let taken = {
             let mut g = self.lock_granted();
             match g.get(&grant.epoch) {
@@ -441,7 +459,7 @@ fn serve(
             })(),
             REQ_RESOLVE => (|| {
                 let (access, wire) = decode_resolve(&p)?;
-                let (grant, region) = admit(access, wire)?;
+                let (region, grant) = admit(access, wire)?;
                 Ok(node.grant_key(&grant, &region)?.to_bytes())
             })(),
             k => Err(Error::new(

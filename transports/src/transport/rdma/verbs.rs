@@ -936,6 +936,14 @@ impl Run {
             return Ok(true);
         }
         let r = self.pump_inner(until, cancel);
+        if r.is_err() && self.outstanding > 0 {
+            // an error before every posted request came back (a failed wait on the channel):
+            // the device must be done with the memory before anyone hears of the failure
+            let n = std::mem::take(&mut self.outstanding);
+            if let Err(e) = self.qp.drain(n) {
+                tracing::error!("rdma: {e}");
+            }
+        }
         if !matches!(r, Ok(false)) {
             self.finished = true;
             self.qp.release();
