@@ -112,6 +112,7 @@ fn bench() -> Result<(), Box<dyn std::error::Error>> {
                 request_len: 8 << 20,
             };
             rt.block_on(link.execute(op(0)))?; // warm up: registration, key
+            let cpu0 = cpu_seconds();
             let (mut bytes, mut i, t0) = (0u64, 0u64, Instant::now());
             while t0.elapsed().as_secs_f64() < seconds {
                 rt.block_on(link.execute(op(i)))?;
@@ -119,9 +120,11 @@ fn bench() -> Result<(), Box<dyn std::error::Error>> {
                 i += 1;
             }
             let el = t0.elapsed().as_secs_f64();
+            let cpu = cpu_seconds() - cpu0;
             println!(
-                "omnirig rdma WRITE {size} B: {:.2} MiB/s ({bytes} bytes in {el:.2} s, {how})",
-                bytes as f64 / el / 1048576.0
+                "omnirig rdma WRITE {size} B: {:.2} MiB/s ({bytes} bytes in {el:.2} s, {how}; process CPU {:.0}% of one core, rxe kernel work included)",
+                bytes as f64 / el / 1048576.0,
+                cpu / el * 100.0
             );
         }
     }
@@ -196,6 +199,20 @@ fn bench() -> Result<(), Box<dyn std::error::Error>> {
         pct(&mut lat, 99)
     );
     Ok(())
+}
+
+/// User + system CPU time of this process so far (from /proc/self/stat, in USER_HZ = 100 ticks).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // fields after the ")" that ends the command name: state is field 3, utime 14, stime 15
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        f.get(i - 3)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(14) + ticks(15)) / 100.0
 }
 
 fn pct(v: &mut [Duration], p: usize) -> f64 {
