@@ -789,6 +789,40 @@ mod transport {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shut_down_target_refuses_new_links_and_fails_its_queue_pairs() {
+        if device("a_shut_down_target_refuses_new_links_and_fails_its_queue_pairs").is_none() {
+            return;
+        }
+        let buf = region(1 << 20, |_| 0);
+        let mut t = target(HashMap::from([(1, buf.clone())]));
+        let transport = RdmaTransport::new(RdmaNode::open(RdmaConfig::default()).unwrap());
+        transport.add_peer("target", t.server.addr());
+        let link = transport.connect(descriptor()).await.unwrap();
+        let g = t.grant(1, 1 << 20, 0, 1 << 20, Access::Write);
+        let src = region(1 << 20, pattern(6));
+        transfer(&link, OpKind::Write, &src, &g, 4096)
+            .await
+            .unwrap();
+        t.server.shutdown();
+        let e = match transport.connect(descriptor()).await {
+            Ok(_) => panic!("connected to a shut-down target"),
+            Err(e) => e,
+        };
+        assert_eq!(e.kind(), ErrorKind::Unreachable, "{e}");
+        // the old link's requests get no answer now: they fail (or time out), nothing lands
+        let r = tokio::time::timeout(
+            std::time::Duration::from_secs(2),
+            transfer(&link, OpKind::Write, &src, &g, 1 << 20),
+        )
+        .await;
+        assert!(
+            !matches!(r, Ok(Ok(()))),
+            "a write to a shut-down target succeeded"
+        );
+        assert!(contents(&buf)[4096..].iter().all(|&x| x == 0));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_unreachable_peer_fails_at_connect_naming_it() {
         if device("an_unreachable_peer_fails_at_connect_naming_it").is_none() {
             return;

@@ -360,6 +360,8 @@ pub struct RdmaServer {
     ///
     /// [`fail_queue_pairs`]: RdmaServer::fail_queue_pairs
     accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>>,
+    /// Open control connections by id, to close them at shutdown.
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
     accept: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -374,19 +376,31 @@ impl RdmaServer {
         let stop2 = stop.clone();
         let accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>> = Arc::default();
         let accepted2 = accepted.clone();
+        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+        let conns2 = conns.clone();
         let accept = std::thread::Builder::new()
             .name("rdma-control".into())
             .spawn(move || {
-                for conn in listener.incoming() {
+                for (id, conn) in listener.incoming().enumerate() {
                     if stop2.load(Ordering::Acquire) {
                         break;
                     }
                     let Ok(conn) = conn else { continue };
+                    let id = id as u64;
+                    if let Ok(c) = conn.try_clone() {
+                        conns2
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(id, c);
+                    }
                     let (node, admit) = (node.clone(), admit.clone());
-                    let accepted = accepted2.clone();
+                    let (accepted, conns) = (accepted2.clone(), conns2.clone());
                     let _ = std::thread::Builder::new()
                         .name("rdma-peer".into())
-                        .spawn(move || serve(conn, node, admit, accepted));
+                        .spawn(move || {
+                            serve(conn, node, admit, accepted);
+                            conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                        });
                 }
             })
             .map_err(|e| io_err("spawn the control thread", e))?;
@@ -394,6 +408,7 @@ impl RdmaServer {
             addr,
             stop,
             accepted,
+            conns,
             accept: Some(accept),
         })
     }
@@ -413,14 +428,26 @@ impl RdmaServer {
     }
 }
 
-impl Drop for RdmaServer {
-    fn drop(&mut self) {
+impl RdmaServer {
+    /// Stops accepting and closes every control connection: their queue pairs go to ERROR and
+    /// are destroyed, so no peer reaches this node's memory any more (the seam's shutdown hook).
+    pub fn shutdown(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // wake the accept loop
-        let _ = TcpStream::connect(self.addr);
         if let Some(t) = self.accept.take() {
+            // wake the accept loop
+            let _ = TcpStream::connect(self.addr);
             let _ = t.join();
         }
+        for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        self.fail_queue_pairs();
+    }
+}
+
+impl Drop for RdmaServer {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }
 
