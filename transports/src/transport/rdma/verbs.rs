@@ -621,6 +621,20 @@ impl QueuePair {
         self.qp.lock().unwrap_or_else(|p| p.into_inner()).state()
     }
 
+    /// The (local ACK timeout exponent, retry count, RNR retry count) the device holds for
+    /// this queue pair, as `ibv_query_qp` reports them.
+    pub fn retry_attributes(&self) -> Result<(u8, u8, u8)> {
+        use sideway::ibverbs::queue_pair::QueuePairAttributeMask as M;
+        let qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        let (a, _) = qp
+            .query(M::Timeout | M::RetryCount | M::ResponderNotReadyRetryCount)
+            .map_err(|e| {
+                self.device
+                    .err(Some(self.port), "query queue pair", chain(&e))
+            })?;
+        Ok((a.timeout(), a.retry_cnt(), a.rnr_retry()))
+    }
+
     /// Whether the queue pair is in ERROR (after a failure or a timeout): reconnect to use the
     /// peer again.
     pub fn is_error(&self) -> bool {
