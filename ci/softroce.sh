@@ -334,7 +334,7 @@ mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
 mount -t tmpfs shm /dev/shm
 mount -t tmpfs run /run
-mount -t tmpfs tmp /tmp
+# /tmp stays the host's (read-only below, writable through the overlay): checkouts there work
 ln -sf /proc/self/fd /dev/fd
 exec > >(tee "$RUN/vm.$NODE.log" > /dev/console) 2>&1
 echo "node$NODE" > /proc/sys/kernel/hostname
