@@ -584,6 +584,28 @@ struct Conn {
     remote: Endpoint,
 }
 
+impl Conn {
+    /// Whether the peer closed the control connection: its engine (or its rdma transport) is
+    /// gone and nothing in flight will ever complete. Checked without blocking; `false` while a
+    /// key request holds the connection.
+    fn peer_gone(&self) -> bool {
+        let Ok(s) = self.control.try_lock() else {
+            return false;
+        };
+        if s.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        let r = s.peek(&mut b);
+        let _ = s.set_nonblocking(false);
+        match r {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
+    }
+}
+
 struct RdmaLink(Arc<Shared>);
 
 struct Shared {
@@ -715,7 +737,7 @@ impl Shared {
 
     /// Everything needed is at hand (connected, key known, memory registered): start the run
     /// without blocking I/O. `None` when something must be fetched first.
-    fn start_ready(&self, op: &SliceOp) -> Option<Result<Run>> {
+    fn start_ready(&self, op: &SliceOp) -> Option<Result<(Run, Arc<Conn>)>> {
         let conn = self
             .conn
             .lock()
@@ -735,20 +757,54 @@ impl Shared {
             .get(&op.local.addr())
             .filter(|r| Arc::ptr_eq(r.region(), &op.local))
             .cloned()?;
-        Some(self.remote_ops(op, &key, &local).and_then(|ops| {
-            conn.qp
-                .start(ops, Instant::now() + self.node.cfg.slice_deadline)
-        }))
+        Some(
+            self.remote_ops(op, &key, &local)
+                .and_then(|ops| {
+                    conn.qp
+                        .start(ops, Instant::now() + self.node.cfg.slice_deadline)
+                })
+                .map(|run| (run, conn)),
+        )
     }
 
     /// Connects, resolves the key and registers as needed (blocking), then starts the run.
-    fn start(&self, op: &SliceOp) -> Result<Run> {
+    fn start(&self, op: &SliceOp) -> Result<(Run, Arc<Conn>)> {
         let conn = self.connection()?;
         let key = self.key(&conn, op.kind.access(), op.grant)?;
         let local = self.node.local_registration(&op.local)?;
         let ops = self.remote_ops(op, &key, &local)?;
-        conn.qp
-            .start(ops, Instant::now() + self.node.cfg.slice_deadline)
+        let run = conn
+            .qp
+            .start(ops, Instant::now() + self.node.cfg.slice_deadline)?;
+        Ok((run, conn))
+    }
+
+    /// Pumps `run` to its end on this (blocking) thread, watching the control connection: a
+    /// peer that closed it is gone, so the run is stopped (ERROR, drained) and fails with
+    /// `PeerDisconnected` at once instead of waiting out its deadline.
+    fn finish(&self, mut run: Run, conn: &Conn, cancel: &AtomicBool) -> Result<()> {
+        let stop = AtomicBool::new(false);
+        let mut gone = false;
+        loop {
+            if gone || cancel.load(Ordering::Acquire) {
+                stop.store(true, Ordering::Release);
+            }
+            match run.pump(Instant::now() + Duration::from_millis(50), Some(&stop)) {
+                Ok(true) => return Ok(()),
+                Ok(false) => gone = gone || conn.peer_gone(),
+                Err(e) if gone => {
+                    return Err(Error::new(
+                        ErrorKind::PeerDisconnected,
+                        format!(
+                            "rdma: the peer closed its control connection (its engine went away); \
+                             the requests in flight were stopped and drained ({})",
+                            e.detail()
+                        ),
+                    ));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// A failed slice: a refused key is stale (revoked), so forget it.
@@ -821,11 +877,11 @@ impl Link for RdmaLink {
             if op.len <= INLINE_MAX
                 && let Some(run) = this.start_ready(&op)
             {
-                let mut run = run.map_err(|e| this.failed(e, &op))?;
+                let (mut run, conn) = run.map_err(|e| this.failed(e, &op))?;
                 match run.pump(Instant::now() + INLINE_SPIN, None) {
                     Ok(true) => return Ok(()),
                     Err(e) => return Err(this.failed(e, &op)),
-                    Ok(false) => ready = Some(run),
+                    Ok(false) => ready = Some((run, conn)),
                 }
             }
             let shared = this.clone();
@@ -833,15 +889,11 @@ impl Link for RdmaLink {
             let c = cancel.clone();
             let r = tokio::task::spawn_blocking(move || {
                 let _serial = permit;
-                let mut run = match ready {
-                    Some(run) => run,
+                let (run, conn) = match ready {
+                    Some(ready) => ready,
                     None => shared.start(&op2)?,
                 };
-                run.pump(
-                    Instant::now() + shared.node.cfg.slice_deadline * 2,
-                    Some(&c),
-                )
-                .map(|_| ())
+                shared.finish(run, &conn, &c)
             })
             .await
             .map_err(|e| Error::new(ErrorKind::Io, format!("rdma slice task: {e}")))?;
