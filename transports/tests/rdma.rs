@@ -669,14 +669,15 @@ mod transport {
         assert!(got[(OFF + LEN) as usize..].iter().all(|&x| x == 0));
         assert_eq!(t.node.fenced_grants(), 1);
 
-        // revoke, then the initiator (still holding the key) writes again: the device refuses
+        // revoke, then the initiator (still holding the key) writes again: the device refuses,
+        // and the target's admission says why
         t.revoke(&wg);
         assert_eq!(t.node.fenced_grants(), 0);
         let other = region(64, |_| 0xEE);
         let e = transfer(&link, OpKind::Write, &other, &wg, 64)
             .await
             .unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::AccessDenied, "{e}");
+        assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
         assert!(e.detail().contains("IBV_WC_REM_ACCESS_ERR"), "{e}");
         assert_eq!(e.peer(), Some("target"));
         assert_eq!(
@@ -1056,7 +1057,7 @@ fn two_nodes_push_pull_and_revoke() {
         wait("revoked");
         let e = go(OpKind::Write, &back, &wg, 4096).unwrap_err();
         put("after-revoke", e.to_string().as_bytes());
-        assert_eq!(e.kind(), ErrorKind::AccessDenied, "{e}");
+        assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
         assert!(e.detail().contains("IBV_WC_REM_ACCESS_ERR"), "{e}");
         println!(
             "RESULT two nodes: push 4 MiB {:.0} ms ({:.1} MB/s), pull {:.0} ms ({:.1} MB/s), write after revoke: {e}",

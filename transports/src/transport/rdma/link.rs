@@ -693,22 +693,55 @@ impl Shared {
         {
             return Ok(*k);
         }
-        let reply = {
-            let mut s = conn.control.lock().unwrap_or_else(|p| p.into_inner());
-            write_frame(&mut s, REQ_RESOLVE, &encode_resolve(access, &grant))
-                .map_err(|e| io_err("ask for a grant's key", e))?;
-            read_frame(&mut s)?
-        };
-        let key = match reply {
-            (0, p) => GrantKey::from_bytes(&p)?,
-            (_, p) => return Err(decode_error(&p)),
-        };
+        let key = self.request_key(conn, access, grant)?;
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
         if keys.len() >= 4096 {
             keys.clear();
         }
         keys.insert(grant.epoch, (grant, key));
         Ok(key)
+    }
+
+    /// Asks the peer for a grant's key: its admission checks the grant first.
+    fn request_key(&self, conn: &Conn, access: Access, grant: GrantRef) -> Result<GrantKey> {
+        let reply = {
+            let mut s = conn.control.lock().unwrap_or_else(|p| p.into_inner());
+            write_frame(&mut s, REQ_RESOLVE, &encode_resolve(access, &grant))
+                .map_err(|e| io_err("ask for a grant's key", e))?;
+            read_frame(&mut s)?
+        };
+        match reply {
+            (0, p) => GrantKey::from_bytes(&p),
+            (_, p) => Err(decode_error(&p)),
+        }
+    }
+
+    /// The device refuses a stale key and an out-of-range access alike
+    /// (IBV_WC_REM_ACCESS_ERR); the peer's admission tells them apart. A grant it no longer
+    /// admits (revoked, expired, unknown) becomes that error, with the verbs status kept in the
+    /// detail; otherwise the refusal stays `AccessDenied`.
+    fn explain(&self, conn: &Conn, op: &SliceOp, e: Error) -> Error {
+        if e.kind() != ErrorKind::AccessDenied {
+            return e;
+        }
+        match self.request_key(conn, op.kind.access(), op.grant) {
+            Err(why)
+                if matches!(
+                    why.kind(),
+                    ErrorKind::GrantRevoked | ErrorKind::UnknownGrant | ErrorKind::BadToken
+                ) =>
+            {
+                Error::new(
+                    why.kind(),
+                    format!(
+                        "{}; the device refused the access: {}",
+                        why.detail(),
+                        e.detail()
+                    ),
+                )
+            }
+            _ => e,
+        }
     }
 
     /// The work requests for `op` on `qp`, `key` naming the grant.
@@ -809,7 +842,10 @@ impl Shared {
 
     /// A failed slice: a refused key is stale (revoked), so forget it.
     fn failed(&self, e: Error, op: &SliceOp) -> Error {
-        if e.kind() == ErrorKind::AccessDenied {
+        if matches!(
+            e.kind(),
+            ErrorKind::AccessDenied | ErrorKind::GrantRevoked | ErrorKind::UnknownGrant
+        ) {
             self.keys
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -827,6 +863,16 @@ const INLINE_SPIN: Duration = Duration::from_micros(200);
 
 fn fmt_gid(g: &[u8; 16]) -> std::net::Ipv6Addr {
     std::net::Ipv6Addr::from(*g)
+}
+
+/// Where a slice continues off the runtime thread.
+enum Next {
+    /// Connect / resolve / register as needed, then run.
+    Start,
+    /// The inline spin did not see the end: keep pumping.
+    Resume(Run, Arc<Conn>),
+    /// The device refused the access: ask the peer why.
+    Explain(Error, Arc<Conn>),
 }
 
 /// Sets the flag when dropped: the engine dropping a slice's future cancels its verbs run.
@@ -873,27 +919,31 @@ impl Link for RdmaLink {
                 .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
             let cancel = Arc::new(AtomicBool::new(false));
             let guard = CancelOnDrop(cancel.clone());
-            let mut ready = None;
+            let mut next = Next::Start;
             if op.len <= INLINE_MAX
                 && let Some(run) = this.start_ready(&op)
             {
                 let (mut run, conn) = run.map_err(|e| this.failed(e, &op))?;
-                match run.pump(Instant::now() + INLINE_SPIN, None) {
+                next = match run.pump(Instant::now() + INLINE_SPIN, None) {
                     Ok(true) => return Ok(()),
+                    Err(e) if e.kind() == ErrorKind::AccessDenied => Next::Explain(e, conn),
                     Err(e) => return Err(this.failed(e, &op)),
-                    Ok(false) => ready = Some((run, conn)),
-                }
+                    Ok(false) => Next::Resume(run, conn),
+                };
             }
             let shared = this.clone();
             let op2 = op.clone();
             let c = cancel.clone();
             let r = tokio::task::spawn_blocking(move || {
                 let _serial = permit;
-                let (run, conn) = match ready {
-                    Some(ready) => ready,
-                    None => shared.start(&op2)?,
+                let (run, conn) = match next {
+                    Next::Resume(run, conn) => (run, conn),
+                    Next::Start => shared.start(&op2)?,
+                    Next::Explain(e, conn) => return Err(shared.explain(&conn, &op2, e)),
                 };
-                shared.finish(run, &conn, &c)
+                shared
+                    .finish(run, &conn, &c)
+                    .map_err(|e| shared.explain(&conn, &op2, e))
             })
             .await
             .map_err(|e| Error::new(ErrorKind::Io, format!("rdma slice task: {e}")))?;
