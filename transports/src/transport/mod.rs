@@ -22,6 +22,7 @@ pub use kind::TransportKind;
 pub mod fault;
 pub mod kind;
 pub mod loopback;
+pub mod rdma;
 pub mod shm;
 pub mod tcp;
 
