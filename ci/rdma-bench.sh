@@ -12,8 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-3}
 cargo build --release --locked -p omnirig-transports --features rdma --example rdma_bench >&2
+cargo build --release --locked --features rdma --bin omnirig >&2
 bin=$PWD/target/release/examples/rdma_bench
-exec ci/softroce.sh run --timeout 600 -- "set -o pipefail; secs=$secs; bin=$bin; $(cat << 'IN'
+omnirig=$PWD/target/release/omnirig
+exec ci/softroce.sh run --timeout 600 -- "set -o pipefail; secs=$secs; bin=$bin; omnirig=$omnirig; $(cat << 'IN'
 gid=$SOFTROCE_GID_INDEX port=18900
 perf() { # TOOL ARGS...: server in the background, client against it; prints the result line
   port=$((port + 1))
@@ -38,6 +40,9 @@ perftest() {
 }
 perftest | tee /tmp/perf1.out
 "$bin" "$secs" | tee /tmp/omnirig.out
+# the whole engine (batches, grants, slicing) over rdma: omnirig bench transfer
+"$omnirig" bench transfer --transport rdma --sizes 8,64K,1M --budget 256M --max-iters 2000 2> /dev/null \
+  | tee /tmp/engine.out
 perftest | tee /tmp/perf2.out
 best() { awk -v f="$1" -v low="$2" '{ v = $f + 0; if (m == "" || (low ? v < m : v > m)) m = v } END { print m }' /tmp/perf1.out /tmp/perf2.out; }
 bw64=$(best 4 0); bw1m=$(best 9 0); lat=$(best 15 1)
@@ -50,5 +55,9 @@ awk -v a="$o64" -v b="$bw64" -v c="$o1m" -v d="$bw1m" -v e="$olat" -v f="$lat" '
   printf "ratio bandwidth 1 MiB: %.2fx ib_write_bw (target >= 0.9)\n", c / d
   printf "ratio latency 8 B: %.2fx ib_write_lat t_typical as printed (half round trip); %.2fx its full round trip (target <= 1.3)\n", e / f, e / (2 * f)
 }'
+# engine rows: GB/s is 1e9 bytes/s; p50 in us
+awk -v b64="$bw64" -v b1m="$bw1m" -v l="$lat" '$1 == "write" && $2 == "64K" { printf "engine ratio bandwidth 64 KiB: %.2fx ib_write_bw\n", $3 * 1e9 / 1048576 / b64 }
+  $1 == "write" && $2 == "1M" { printf "engine ratio bandwidth 1 MiB: %.2fx ib_write_bw\n", $3 * 1e9 / 1048576 / b1m }
+  $1 == "write" && $2 == "8" { printf "engine ratio latency 8 B: %.2fx ib_write_lat full round trip (p50 %s us)\n", $4 / (2 * l), $4 }' /tmp/engine.out
 IN
 )"

@@ -67,13 +67,7 @@ fn bench() -> Result<(), Box<dyn std::error::Error>> {
             lease: false,
         },
     )?;
-    let desc = SegmentDescriptor {
-        name: "target".into(),
-        instance: 1,
-        tcp: None,
-        buffers: vec![],
-        shm: None,
-    };
+    let desc = SegmentDescriptor::new("target", 1, vec![], vec![]);
     let src = Arc::new(Region::allocate(8 << 20, false)?);
     src.write(
         0,

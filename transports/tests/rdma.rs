@@ -590,13 +590,7 @@ mod transport {
     }
 
     fn descriptor() -> SegmentDescriptor {
-        SegmentDescriptor {
-            name: "target".into(),
-            instance: 1,
-            tcp: None,
-            buffers: vec![],
-            shm: None,
-        }
+        SegmentDescriptor::new("target", 1, vec![], vec![])
     }
 
     /// `len` bytes of `local` from 0 into / out of the grant, cut as the link asks.
@@ -645,7 +639,10 @@ mod transport {
         transport.add_peer("target", t.server.addr());
         assert!(transport.reaches(&descriptor()));
         let link = transport.connect(descriptor()).await.unwrap();
-        assert_eq!(link.info().transport, "rdma");
+        assert_eq!(
+            link.info().transport,
+            omnirig_transports::TransportKind::Rdma
+        );
         assert!(
             link.info().device.contains("rxe0") || std::env::var("OMNIRIG_RDMA_DEVICE").is_ok()
         );
@@ -723,10 +720,7 @@ mod transport {
     }
 
     fn descriptor_named(name: &str) -> SegmentDescriptor {
-        SegmentDescriptor {
-            name: name.into(),
-            ..descriptor()
-        }
+        SegmentDescriptor::new(name, 1, vec![], vec![])
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1012,13 +1006,7 @@ fn two_nodes_push_pull_and_revoke() {
         let tr = RdmaTransport::new(rn);
         let peer = std::env::var("SOFTROCE_PEER_IP").unwrap();
         tr.add_peer("node0", format!("{peer}:18500").parse().unwrap());
-        let desc = SegmentDescriptor {
-            name: "node0".into(),
-            instance: 1,
-            tcp: None,
-            buffers: vec![],
-            shm: None,
-        };
+        let desc = SegmentDescriptor::new("node0", 1, vec![], vec![]);
         let link = rt.block_on(tr.connect(desc)).unwrap();
         let src = region(LEN as usize, pattern(11));
         let back = region(LEN as usize, |_| 0);

@@ -213,6 +213,7 @@ pub fn default_setup(kind: TransportKind) -> Arc<dyn TransportSetup> {
         TransportKind::Loopback => Arc::new(loopback::LoopbackConfig::default()),
         TransportKind::Tcp => Arc::new(tcp::TcpConfig::default()),
         TransportKind::Shm => Arc::new(shm::ShmConfig::default()),
+        TransportKind::Rdma => Arc::new(rdma::RdmaConfig::default()),
     }
 }
 

@@ -20,51 +20,18 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, ErrorKind, Result};
 use crate::grant::{Access, Grant, GrantRef};
 use crate::memory::Region;
+use crate::segment::Endpoint as SegmentEndpoint;
 use crate::segment::SegmentDescriptor;
-use crate::transport::{BoxFuture, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport};
+use crate::transport::{
+    Admission, BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport,
+    TransportKind,
+};
+
+pub use super::RdmaConfig;
 
 use super::fence::FencedGrant;
 use super::keys::{Endpoint, GrantKey};
 use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp, Run};
-
-/// How the rdma transport uses its device.
-#[derive(Debug, Clone)]
-pub struct RdmaConfig {
-    /// Device name (`mlx5_0`, `rxe0`); `None`: the first device.
-    pub device: Option<String>,
-    pub port: u8,
-    /// GID index to send from; `None`: the first RoCEv2 IPv4 GID (or first GID on IB).
-    pub gid_index: Option<u32>,
-    /// Work requests in flight per queue pair.
-    pub max_outstanding: u32,
-    /// Largest single RDMA WRITE / READ.
-    pub work_request_size: u32,
-    /// Slice size the engine cuts requests into for this transport.
-    pub slice_size: u64,
-    /// Where the control (connection setup, key resolution) server listens.
-    pub listen: SocketAddr,
-    /// Backstop for one slice; the engine's own deadline cancels earlier.
-    pub slice_deadline: Duration,
-    /// How long a completion wait spins before it parks on the completion channel (0: park at
-    /// once; large: busy-poll).
-    pub completion_spin: Duration,
-}
-
-impl Default for RdmaConfig {
-    fn default() -> Self {
-        Self {
-            device: None,
-            port: 1,
-            gid_index: None,
-            max_outstanding: 16,
-            work_request_size: 256 << 10,
-            slice_size: 4 << 20,
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            slice_deadline: Duration::from_secs(60),
-            completion_spin: super::verbs::DEFAULT_SPIN,
-        }
-    }
-}
 
 /// Checks a grant access on the target: the engine's admission (grant table, token, expiry,
 /// access kind); returns the buffer's region and the grant. With the seam's `Admission`:
@@ -507,11 +474,48 @@ fn serve(
     }
 }
 
-/// The initiator side.
+/// Starts the engine's rdma transport: opens the device (blocking verbs calls, off the
+/// runtime) and the control server, whose key requests go through the engine's admission.
+pub(super) fn start(
+    cfg: RdmaConfig,
+    engine: Admission,
+) -> BoxFuture<'static, Result<Arc<dyn Transport>>> {
+    Box::pin(async move {
+        let node = tokio::task::spawn_blocking(move || RdmaNode::open(cfg))
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma open task: {e}")))??;
+        let adm = engine.clone();
+        let admit: Admit = Arc::new(move |access, wire| {
+            let (region, a) = adm.admit(access, wire, 0, 1)?;
+            Ok((region, a.entry.grant.clone()))
+        });
+        let server = RdmaServer::start(node.clone(), admit)?;
+        tracing::info!(
+            transport = "rdma",
+            engine = engine.engine(),
+            device = node.device.name(),
+            port = node.cfg.port,
+            gid_index = node.gid_index,
+            control = %server.addr(),
+            "rdma: engine serves its memory through this device"
+        );
+        let mut t = RdmaTransport::new(node);
+        t.addr = Some(server.addr());
+        t.server = Mutex::new(Some(server));
+        t.admission = Some(engine);
+        Ok(Arc::new(t) as Arc<dyn Transport>)
+    })
+}
+
+/// The engine's rdma transport: the initiator side (links to peers) and, when started through
+/// the engine, the target side (the control server, grant keys, fences).
 pub struct RdmaTransport {
     node: Arc<RdmaNode>,
-    /// Peers' control addresses by segment name (until descriptors carry rdma endpoints).
+    /// Peers' control addresses added by hand (tests, tools), besides descriptors' endpoints.
     peers: Mutex<HashMap<String, SocketAddr>>,
+    addr: Option<SocketAddr>,
+    server: Mutex<Option<RdmaServer>>,
+    admission: Option<Admission>,
 }
 
 impl RdmaTransport {
@@ -519,7 +523,14 @@ impl RdmaTransport {
         Self {
             node,
             peers: Mutex::new(HashMap::new()),
+            addr: None,
+            server: Mutex::new(None),
+            admission: None,
         }
+    }
+
+    pub fn node(&self) -> &Arc<RdmaNode> {
+        &self.node
     }
 
     pub fn add_peer(&self, segment: impl Into<String>, control: SocketAddr) {
@@ -529,34 +540,66 @@ impl RdmaTransport {
             .insert(segment.into(), control);
     }
 
-    fn peer_addr(&self, name: &str) -> Option<SocketAddr> {
+    fn peer_addr(&self, peer: &SegmentDescriptor) -> Option<SocketAddr> {
+        if let Some(a) = peer
+            .endpoint(TransportKind::Rdma)
+            .and_then(|b| std::str::from_utf8(b).ok())
+            .and_then(|s| s.parse().ok())
+        {
+            return Some(a);
+        }
         self.peers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(name)
+            .get(&peer.name)
             .copied()
     }
 }
 
 impl Transport for RdmaTransport {
-    fn name(&self) -> &'static str {
-        "rdma"
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
     }
 
     fn reaches(&self, peer: &SegmentDescriptor) -> bool {
-        self.peer_addr(&peer.name).is_some()
+        self.peer_addr(peer).is_some()
+    }
+
+    fn endpoint(&self) -> Option<SegmentEndpoint> {
+        self.addr
+            .map(|a| SegmentEndpoint::new(TransportKind::Rdma, a.to_string()))
+    }
+
+    fn on_register(&self, buffer: u32, region: &Arc<Region>) -> Result<()> {
+        self.node.on_register(buffer, region)
+    }
+
+    fn on_unregister(&self, buffer: u32, region: &Arc<Region>) {
+        self.node.on_unregister(buffer, region)
+    }
+
+    fn on_grant(&self, grant: &Grant, region: &Arc<Region>) -> Result<Option<Vec<u8>>> {
+        self.node.on_grant(grant, region)
+    }
+
+    fn on_revoke(&self, grant: &GrantRef) {
+        self.node.on_revoke(grant)
+    }
+
+    fn shutdown(&self) {
+        if let Some(mut s) = self.server.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            s.shutdown();
+        }
     }
 
     fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
         let node = self.node.clone();
-        let addr = self.peer_addr(&peer.name);
+        let addr = self.peer_addr(&peer);
+        let counted = self.admission.as_ref().map(|a| a.connection());
         Box::pin(async move {
             let addr = addr.ok_or_else(|| {
-                Error::new(
-                    ErrorKind::NoTransport,
-                    "no rdma control address for the peer",
-                )
-                .with_peer(&peer.name)
+                Error::new(ErrorKind::NoTransport, "peer has no rdma endpoint")
+                    .with_peer(&peer.name)
             })?;
             let link = Arc::new(Shared {
                 node,
@@ -565,6 +608,7 @@ impl Transport for RdmaTransport {
                 conn: Mutex::new(None),
                 keys: Mutex::new(HashMap::new()),
                 serial: Arc::new(tokio::sync::Semaphore::new(1)),
+                _counted: counted,
             });
             // connect now, so an unreachable peer fails here
             let l = link.clone();
@@ -617,6 +661,8 @@ struct Shared {
     keys: Mutex<HashMap<u64, (GrantRef, GrantKey)>>,
     /// One run at a time on the queue pair (slices of several tasks queue here).
     serial: Arc<tokio::sync::Semaphore>,
+    /// Counts the link in the engine's open connections while it exists (leak checks).
+    _counted: Option<Counted>,
 }
 
 impl Shared {
@@ -895,7 +941,7 @@ impl Link for RdmaLink {
             .map(|c| format!("{} qpn {}", c.remote.device, c.remote.qpn))
             .unwrap_or_else(|| "not connected".into());
         LinkInfo {
-            transport: "rdma",
+            transport: TransportKind::Rdma,
             device: format!("{} -> {} ({remote})", self.0.node.describe(), self.0.addr),
         }
     }
