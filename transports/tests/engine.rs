@@ -29,9 +29,12 @@ async fn assert_idle(e: &Engine) {
 #[case::mib_64(64 << 20)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_and_reads_are_bit_exact(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
     #[case] size: usize,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let data = pattern(size as u64, size);
@@ -76,8 +79,11 @@ async fn writes_and_reads_are_bit_exact(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_batches_between_several_engines(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     const N: usize = 4;
     const TASKS: usize = 4;
     let e = engines(transport, N).await;
@@ -144,8 +150,11 @@ async fn many_concurrent_batches_between_several_engines(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_outside_a_grant_are_refused_and_touch_nothing(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let src = a.allocate(1 << 16).unwrap();
@@ -210,8 +219,11 @@ async fn writes_outside_a_grant_are_refused_and_touch_nothing(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let src = a.allocate(1 << 20).unwrap();
@@ -242,8 +254,11 @@ async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_times_out_frees_everything_and_fences_the_late_write(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let (a, b, gate) = gated_pair(transport, 0).await;
     let a_base = a.usage();
     let src = a.allocate(256 << 10).unwrap();
@@ -296,8 +311,11 @@ async fn deadline_times_out_frees_everything_and_fences_the_late_write(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let (a, b, gate) = gated_pair(transport, 1).await;
     let src = a.allocate(4 << 20).unwrap();
     let dst = b.allocate(4 << 20).unwrap();
@@ -337,8 +355,11 @@ async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_buffers_refuse_to_unregister(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let dst = b.allocate(8192).unwrap();
@@ -369,8 +390,11 @@ async fn busy_buffers_refuse_to_unregister(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_errors_that_name_them(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let src = a.allocate(4096).unwrap();
@@ -434,8 +458,11 @@ async fn bad_requests_get_errors_that_name_them(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn freeing_a_running_batch_cancels_and_releases(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let (a, b, gate) = gated_pair(transport, 0).await;
     let src = a.allocate(4096).unwrap();
     let dst = b.allocate(4096).unwrap();
