@@ -729,6 +729,13 @@ mod transport {
         assert_eq!(contents(&dst), got);
         t.revoke(&keyless);
         assert_eq!(t.node.fenced_grants(), 0);
+        // the unregister hook drops the local registrations the slices made
+        let before = init.local_registrations();
+        assert!(before >= 3, "{before} local registrations");
+        for r in [&src, &back, &other] {
+            transport.on_unregister(0, r);
+        }
+        assert_eq!(init.local_registrations(), before - 3);
         println!(
             "RESULT transport: push {:.1} MiB in {:.0} ms ({:.0} MB/s), pull in {:.0} ms ({:.0} MB/s)",
             LEN as f64 / 1048576.0,

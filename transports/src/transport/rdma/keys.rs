@@ -5,6 +5,7 @@
 //! These compile without the `rdma` feature: peers without verbs still validate and report them.
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::grant::GrantRef;
 
 const ENDPOINT_MAGIC: [u8; 4] = *b"ORQP";
 const KEY_MAGIC: [u8; 4] = *b"ORRK";
@@ -137,6 +138,16 @@ impl Endpoint {
     }
 }
 
+/// A 32-bit mix of a grant's wire reference (splitmix64's finaliser over its fields): every
+/// field changes every bit with probability about one half.
+fn seal(g: &GrantRef) -> u32 {
+    let mut x = g.token ^ g.epoch.rotate_left(32) ^ (u64::from(g.buffer) << 17);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    (x ^ (x >> 32)) as u32
+}
+
 /// How the issuing side fenced a grant's range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FenceKind {
@@ -214,6 +225,23 @@ impl GrantKey {
             ));
         }
         Ok(key)
+    }
+
+    /// The key as it travels inside a grant: its rkey sealed with the grant's wire reference
+    /// (buffer, epoch, token). The device checks only the rkey, never the token, so the seal
+    /// makes the token matter: a slice whose grant reference was altered (a forged token, another
+    /// epoch) unseals to a wrong rkey that the device refuses, and the target's admission then
+    /// names why. Not secrecy (whoever holds the grant holds both): integrity of the pairing.
+    /// Sealing twice with the same reference gives the key back, so [`GrantKey::unsealed`] is
+    /// the same operation.
+    pub fn sealed(mut self, grant: &GrantRef) -> Self {
+        self.rkey ^= seal(grant);
+        self
+    }
+
+    /// The device's rkey back from a key sealed with `grant` (see [`GrantKey::sealed`]).
+    pub fn unsealed(self, grant: &GrantRef) -> Self {
+        self.sealed(grant)
     }
 
     /// The remote address of `len` bytes at `offset` into the grant; refuses ranges outside it
@@ -355,6 +383,34 @@ mod tests {
                 k.remote_addr(off, len).unwrap_err().kind(),
                 ErrorKind::OutOfGrant
             );
+        }
+    }
+
+    #[test]
+    fn a_sealed_key_unseals_only_with_its_grant_reference() {
+        let k = GrantKey {
+            fence: FenceKind::Region,
+            addr: 0x1000,
+            len: 4096,
+            rkey: 0x0001_2345,
+        };
+        let g = GrantRef {
+            buffer: 3,
+            epoch: 77,
+            token: 0x0123_4567_89ab_cdef,
+        };
+        let sealed = k.sealed(&g);
+        assert_ne!(sealed.rkey, k.rkey);
+        assert_eq!(sealed.unsealed(&g), k);
+        for other in [
+            GrantRef {
+                token: g.token ^ 1,
+                ..g
+            },
+            GrantRef { epoch: 78, ..g },
+            GrantRef { buffer: 4, ..g },
+        ] {
+            assert_ne!(sealed.unsealed(&other).rkey, k.rkey, "{other:?}");
         }
     }
 

@@ -112,9 +112,14 @@ impl RdmaNode {
         self.lock_local().remove(&region.addr());
     }
 
-    /// The grant-issue hook: the key bytes the grant carries to initiators.
+    /// The grant-issue hook: the key bytes the grant carries to initiators (sealed with the
+    /// grant's reference: [`GrantKey::sealed`]).
     pub fn on_grant(&self, grant: &Grant, region: &Arc<Region>) -> Result<Option<Vec<u8>>> {
-        Ok(Some(self.grant_key(grant, region)?.to_bytes()))
+        Ok(Some(
+            self.grant_key(grant, region)?
+                .sealed(&grant.wire())
+                .to_bytes(),
+        ))
     }
 
     fn lock_local(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Arc<MemoryRegistration>>> {
@@ -188,6 +193,12 @@ impl RdmaNode {
                 .map(|_| ()),
             None => Ok(()),
         }
+    }
+
+    /// Local regions registered with the device (for leak checks: the unregister hook drops
+    /// them).
+    pub fn local_registrations(&self) -> usize {
+        self.lock_local().len()
     }
 
     /// Grants with a live fence on the device (for leak checks).
@@ -731,7 +742,7 @@ impl Shared {
     /// and validated.
     fn op_key(op: &SliceOp) -> Result<GrantKey> {
         match &op.key {
-            Some(b) => GrantKey::from_bytes(b),
+            Some(b) => GrantKey::from_bytes(b).map(|k| k.unsealed(&op.grant)),
             None => Err(Error::new(
                 ErrorKind::NoTransport,
                 format!(
