@@ -215,9 +215,16 @@ impl RdmaNode {
         )
     }
 
+    /// Device, port, GID index and the GID itself: what the engine logs for each peer (the
+    /// evidence that a transfer ran over this device, not over TCP).
     fn describe(&self) -> String {
+        let gid = self
+            .device
+            .gid(self.cfg.port, self.gid_index)
+            .map(|g| fmt_gid(&g).to_string())
+            .unwrap_or_else(|e| format!("unreadable ({e})"));
         format!(
-            "{} port {} gid[{}]",
+            "{} port {} gid[{}] {gid}",
             self.device.name(),
             self.cfg.port,
             self.gid_index
