@@ -126,9 +126,38 @@ async fn rows_against_memcpy(
         let (base, w, r) = against_memcpy(a, &write, &read, (&msrc, &mdst), iters).await?;
         rows.push(Row::new("write", size, &w, "memcpy", &base));
         rows.push(Row::new("read", size, &r, "memcpy", &base));
+        if transport == TransportKind::Rdma {
+            // What ib_write_bw measures: many writes in flight, not one at a time. A batch of
+            // WINDOW requests (how a KV handoff arrives), timed per batch.
+            let reqs: Vec<Request> = (0..WINDOW)
+                .map(|i| {
+                    let off = if size * WINDOW <= max { i * size } else { 0 };
+                    Request::write(src, off, wg, off, size)
+                })
+                .collect();
+            let rounds = iters.div_ceil(WINDOW as usize).max(3);
+            let mut ws = Samples::new(size * WINDOW);
+            for i in 0..rounds + 1 {
+                let t = Instant::now();
+                a.transfer(reqs.clone(), OP_TIMEOUT).await?;
+                if i >= 1 {
+                    ws.push(t.elapsed());
+                }
+            }
+            rows.push(Row::new(
+                &format!("write-x{WINDOW}"),
+                size,
+                &ws,
+                "memcpy",
+                &base,
+            ));
+        }
     }
     Ok(rows)
 }
+
+/// Requests per batch in rdma's windowed write row.
+const WINDOW: u64 = 16;
 
 /// Times `write`, `read` and a memcpy of the same size between the two baseline buffers,
 /// interleaved one of each per round, so drift (frequency, the other vCPU, cache state) hits

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -614,28 +614,41 @@ impl Transport for RdmaTransport {
     fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
         let node = self.node.clone();
         let addr = self.peer_addr(&peer);
-        let counted = self.admission.as_ref().map(|a| a.connection());
+        let mut counted = self.admission.as_ref().map(|a| a.connection());
+        let queue_pairs = self.node.cfg.queue_pairs_per_peer;
         Box::pin(async move {
             let addr = addr.ok_or_else(|| {
                 Error::new(ErrorKind::NoTransport, "peer has no rdma endpoint")
                     .with_peer(&peer.name)
             })?;
-            let link = Arc::new(Shared {
-                node,
-                peer: peer.name.clone(),
-                addr,
-                conn: Mutex::new(None),
-                serial: Arc::new(tokio::sync::Semaphore::new(1)),
-                _counted: counted,
-            });
-            // connect now, so an unreachable peer fails here
-            let l = link.clone();
-            tokio::task::spawn_blocking(move || l.connection().map(|_| ()))
-                .await
-                .map_err(|e| Error::new(ErrorKind::Io, format!("rdma connect task: {e}")))?
-                .map_err(|e| e.with_peer(&peer.name))?;
+            let lanes: Vec<Arc<Shared>> = (0..queue_pairs.max(1))
+                .map(|i| {
+                    Arc::new(Shared {
+                        node: node.clone(),
+                        peer: peer.name.clone(),
+                        addr,
+                        conn: Mutex::new(None),
+                        serial: Arc::new(tokio::sync::Semaphore::new(1)),
+                        // the first lane counts the link in the engine's open connections
+                        _counted: if i == 0 { counted.take() } else { None },
+                    })
+                })
+                .collect();
+            let link = lanes[0].clone();
+            // connect every lane now: an unreachable peer fails here, and a peer that goes
+            // away later is seen as gone on every lane (its control connections close)
+            let l = lanes.clone();
+            tokio::task::spawn_blocking(move || {
+                l.iter().try_for_each(|l| l.connection().map(|_| ()))
+            })
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma connect task: {e}")))?
+            .map_err(|e| e.with_peer(&peer.name))?;
             link.announce();
-            Ok(Arc::new(RdmaLink(link)) as Arc<dyn Link>)
+            Ok(Arc::new(RdmaLink {
+                lanes,
+                next: AtomicUsize::new(0),
+            }) as Arc<dyn Link>)
         })
     }
 }
@@ -668,7 +681,26 @@ impl Conn {
     }
 }
 
-struct RdmaLink(Arc<Shared>);
+/// A link to one peer: several lanes, each a queue pair (with its own control connection)
+/// running one run at a time. Slices of concurrent tasks spread over the lanes, so the device
+/// has work queued on several queue pairs instead of draining one between slices.
+struct RdmaLink {
+    lanes: Vec<Arc<Shared>>,
+    next: AtomicUsize,
+}
+
+impl RdmaLink {
+    /// An idle lane if there is one, else the next in turn (its queue is async).
+    fn lane(&self) -> Arc<Shared> {
+        let n = self.lanes.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|i| &self.lanes[(start + i) % n])
+            .find(|l| l.serial.available_permits() > 0)
+            .unwrap_or(&self.lanes[start % n])
+            .clone()
+    }
+}
 
 struct Shared {
     node: Arc<RdmaNode>,
@@ -677,7 +709,8 @@ struct Shared {
     conn: Mutex<Option<Arc<Conn>>>,
     /// One run at a time on the queue pair (slices of several tasks queue here).
     serial: Arc<tokio::sync::Semaphore>,
-    /// Counts the link in the engine's open connections while it exists (leak checks).
+    /// Counts the link in the engine's open connections while it exists (leak checks; first
+    /// lane only).
     _counted: Option<Counted>,
 }
 
@@ -931,8 +964,8 @@ impl Drop for CancelOnDrop {
 
 impl Link for RdmaLink {
     fn info(&self) -> LinkInfo {
-        let remote = self
-            .0
+        let first = &self.lanes[0];
+        let remote = first
             .conn
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -941,21 +974,21 @@ impl Link for RdmaLink {
             .unwrap_or_else(|| "not connected".into());
         LinkInfo {
             transport: TransportKind::Rdma,
-            device: format!("{} -> {} ({remote})", self.0.node.describe(), self.0.addr),
+            device: format!("{} -> {} ({remote})", first.node.describe(), first.addr),
         }
     }
 
     fn slicing(&self) -> Slicing {
         Slicing {
-            slice_size: self.0.node.cfg.slice_size,
-            in_flight: 2,
+            slice_size: self.lanes[0].node.cfg.slice_size,
+            in_flight: self.lanes.len().max(2),
         }
     }
 
     fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
-        let this = self.0.clone();
+        let this = self.lane();
         Box::pin(async move {
-            // one run at a time on the link's queue pair; waiting here is async
+            // one run at a time on a lane's queue pair; waiting here is async
             let permit = this
                 .serial
                 .clone()
@@ -998,8 +1031,10 @@ impl Link for RdmaLink {
     }
 
     fn drop_connections(&self) {
-        if let Some(c) = self.0.conn.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = c.qp.set_error();
+        for lane in &self.lanes {
+            if let Some(c) = lane.conn.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                let _ = c.qp.set_error();
+            }
         }
     }
 }

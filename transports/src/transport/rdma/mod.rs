@@ -37,6 +37,11 @@ pub struct RdmaConfig {
     pub gid_index: Option<u32>,
     /// Work requests in flight per queue pair.
     pub max_outstanding: u32,
+    /// Queue pairs per peer link (lanes): slices of concurrent tasks run on different queue
+    /// pairs at once. Default 1: with more, a peer that died and came back costs each lane one
+    /// failed slice before it reconnects (a lane only learns of it from its own queue pair), so
+    /// the dead-peer recovery case does not hold yet.
+    pub queue_pairs_per_peer: usize,
     /// Largest single RDMA WRITE / READ.
     pub work_request_size: u32,
     /// Slice size the engine cuts requests into for this transport.
@@ -57,6 +62,7 @@ impl Default for RdmaConfig {
             port: 1,
             gid_index: None,
             max_outstanding: 16,
+            queue_pairs_per_peer: 1,
             work_request_size: 256 << 10,
             slice_size: 4 << 20,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
