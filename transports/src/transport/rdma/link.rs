@@ -130,8 +130,8 @@ impl RdmaNode {
         self.granted.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The registration covering `region` (registered now if it was not: until the seam's
-    /// register hook exists, first use registers).
+    /// The registration covering `region` (the register hook made it; regions used without
+    /// it, as in tools and tests that drive a link directly, are registered on first use).
     pub fn local_registration(&self, region: &Arc<Region>) -> Result<Arc<MemoryRegistration>> {
         if let Some(r) = self.lock_local().get(&region.addr())
             && Arc::ptr_eq(r.region(), region)
