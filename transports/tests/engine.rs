@@ -904,3 +904,41 @@ async fn two_nodes_engine_transfers_over_rdma() {
         );
     }
 }
+
+/// An engine's rdma control server sets up queue pairs only for peers presenting the secret
+/// its descriptor publishes: a peer that merely reaches the address is refused, naming why.
+#[cfg(feature = "rdma")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_queue_pair_setup_needs_the_engines_secret() {
+    use omnirig_transports::transport::Transport;
+    use omnirig_transports::transport::rdma::link::{RdmaNode, RdmaTransport};
+    use omnirig_transports::{RdmaConfig, SegmentDescriptor};
+    if common::unavailable("rdma") {
+        return;
+    }
+    let e = engines("rdma", 2).await;
+    let endpoint = e[1]
+        .descriptor()
+        .endpoint(TransportKind::Rdma)
+        .map(|b| String::from_utf8(b.to_vec()).unwrap())
+        .expect("an rdma endpoint in the descriptor");
+    let (addr, secret) = endpoint.split_once('#').expect("address#secret");
+    assert_eq!(secret.len(), 32, "{endpoint}");
+    // the engine's own peers get through
+    assert_eq!(
+        e[0].connect(e[1].name()).await.unwrap().transport,
+        TransportKind::Rdma
+    );
+    // a stranger that knows only the address does not
+    let stranger = RdmaTransport::new(RdmaNode::open(RdmaConfig::default()).unwrap());
+    stranger.add_peer("victim", addr.parse().unwrap());
+    let err = match stranger
+        .connect(SegmentDescriptor::new("victim", 1, vec![], vec![]))
+        .await
+    {
+        Ok(_) => panic!("queue pair set up without the secret"),
+        Err(err) => err,
+    };
+    assert_eq!(err.kind(), ErrorKind::AccessDenied, "{err}");
+    assert!(err.detail().contains("secret"), "{err}");
+}

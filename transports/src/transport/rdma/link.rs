@@ -351,8 +351,23 @@ pub struct RdmaServer {
     accept: Option<std::thread::JoinHandle<()>>,
 }
 
+/// Bytes of the secret a queue pair setup must present when the server has one.
+pub const SECRET_LEN: usize = 16;
+
 impl RdmaServer {
+    /// A server that sets up queue pairs for anyone who reaches it (tools and tests).
     pub fn start(node: Arc<RdmaNode>, admit: Admit) -> Result<Self> {
+        Self::start_with_secret(node, admit, None)
+    }
+
+    /// A server that sets up queue pairs only for peers presenting `secret` (the engine's:
+    /// published in its descriptor's rdma endpoint, so only peers that learned the descriptor
+    /// can reach its memory).
+    pub fn start_with_secret(
+        node: Arc<RdmaNode>,
+        admit: Admit,
+        secret: Option<[u8; SECRET_LEN]>,
+    ) -> Result<Self> {
         let listener = TcpListener::bind(node.cfg.listen)
             .map_err(|e| io_err(&format!("listen on {}", node.cfg.listen), e))?;
         let addr = listener
@@ -384,7 +399,7 @@ impl RdmaServer {
                     let _ = std::thread::Builder::new()
                         .name("rdma-peer".into())
                         .spawn(move || {
-                            serve(conn, node, admit, accepted);
+                            serve(conn, node, admit, accepted, secret);
                             conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                         });
                 }
@@ -444,13 +459,35 @@ fn serve(
     node: Arc<RdmaNode>,
     admit: Admit,
     accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>>,
+    secret: Option<[u8; SECRET_LEN]>,
 ) {
     let _ = s.set_nodelay(true);
     let mut qps: Vec<Arc<QueuePair>> = Vec::new();
     while let Ok((kind, p)) = read_frame(&mut s) {
         let reply = match kind {
             REQ_CONNECT => (|| {
-                let remote = Endpoint::from_bytes(&p)?;
+                if p.len() < SECRET_LEN {
+                    return Err(Error::new(
+                        ErrorKind::Malformed,
+                        format!("rdma control: a {}-byte queue pair request", p.len()),
+                    ));
+                }
+                let (presented, endpoint) = p.split_at(SECRET_LEN);
+                if let Some(want) = &secret {
+                    // compared in full whatever differs first
+                    let diff = want
+                        .iter()
+                        .zip(presented)
+                        .fold(0u8, |d, (a, b)| d | (a ^ b));
+                    if diff != 0 {
+                        return Err(Error::new(
+                            ErrorKind::AccessDenied,
+                            "rdma control: queue pair setup without this engine's secret \
+                             (it is in the engine's descriptor)",
+                        ));
+                    }
+                }
+                let remote = Endpoint::from_bytes(endpoint)?;
                 let qp = node.new_queue_pair()?;
                 let local = qp.endpoint(node.gid_index)?;
                 qp.connect(&remote, node.gid_index)?;
@@ -493,6 +530,26 @@ fn serve(
     }
 }
 
+/// The rdma endpoint a descriptor publishes: `ip:port#` and the secret in 32 hex digits.
+fn parse_endpoint(e: &str) -> Option<(SocketAddr, [u8; SECRET_LEN])> {
+    let (addr, hex) = e.split_once('#')?;
+    if hex.len() != 2 * SECRET_LEN || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut secret = [0u8; SECRET_LEN];
+    for (i, b) in secret.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some((addr.parse().ok()?, secret))
+}
+
+fn rng_err(e: getrandom::Error) -> Error {
+    Error::new(
+        ErrorKind::Resource,
+        format!("rdma: the OS random number generator failed: {e}"),
+    )
+}
+
 /// Starts the engine's rdma transport: opens the device (blocking verbs calls, off the
 /// runtime) and the control server, whose key requests go through the engine's admission.
 pub(super) fn start(
@@ -508,7 +565,10 @@ pub(super) fn start(
             let (region, a) = adm.admit(access, wire, 0, 1)?;
             Ok((region, a.entry.grant.clone()))
         });
-        let server = RdmaServer::start(node.clone(), admit)?;
+        let mut secret = [0u8; SECRET_LEN];
+        secret[..8].copy_from_slice(&getrandom::u64().map_err(rng_err)?.to_le_bytes());
+        secret[8..].copy_from_slice(&getrandom::u64().map_err(rng_err)?.to_le_bytes());
+        let server = RdmaServer::start_with_secret(node.clone(), admit, Some(secret))?;
         tracing::info!(
             transport = "rdma",
             engine = engine.engine(),
@@ -520,6 +580,7 @@ pub(super) fn start(
         );
         let mut t = RdmaTransport::new(node);
         t.addr = Some(server.addr());
+        t.secret = Some(secret);
         t.server = Mutex::new(Some(server));
         t.admission = Some(engine);
         Ok(Arc::new(t) as Arc<dyn Transport>)
@@ -533,6 +594,8 @@ pub struct RdmaTransport {
     /// Peers' control addresses added by hand (tests, tools), besides descriptors' endpoints.
     peers: Mutex<HashMap<String, SocketAddr>>,
     addr: Option<SocketAddr>,
+    /// What peers must present to set up queue pairs here (published with `addr`).
+    secret: Option<[u8; SECRET_LEN]>,
     server: Mutex<Option<RdmaServer>>,
     admission: Option<Admission>,
 }
@@ -543,6 +606,7 @@ impl RdmaTransport {
             node,
             peers: Mutex::new(HashMap::new()),
             addr: None,
+            secret: None,
             server: Mutex::new(None),
             admission: None,
         }
@@ -559,19 +623,20 @@ impl RdmaTransport {
             .insert(segment.into(), control);
     }
 
-    fn peer_addr(&self, peer: &SegmentDescriptor) -> Option<SocketAddr> {
-        if let Some(a) = peer
+    /// The peer's control address and the secret its queue pair setup asks for: from its
+    /// descriptor's rdma endpoint (`ip:port#hex`), else from [`RdmaTransport::add_peer`].
+    fn peer_addr(&self, peer: &SegmentDescriptor) -> Option<(SocketAddr, [u8; SECRET_LEN])> {
+        if let Some(e) = peer
             .endpoint(TransportKind::Rdma)
             .and_then(|b| std::str::from_utf8(b).ok())
-            .and_then(|s| s.parse().ok())
         {
-            return Some(a);
+            return parse_endpoint(e);
         }
         self.peers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&peer.name)
-            .copied()
+            .map(|a| (*a, [0; SECRET_LEN]))
     }
 }
 
@@ -585,8 +650,14 @@ impl Transport for RdmaTransport {
     }
 
     fn endpoint(&self) -> Option<SegmentEndpoint> {
+        let secret: String = self
+            .secret
+            .unwrap_or_default()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         self.addr
-            .map(|a| SegmentEndpoint::new(TransportKind::Rdma, a.to_string()))
+            .map(|a| SegmentEndpoint::new(TransportKind::Rdma, format!("{a}#{secret}")))
     }
 
     fn on_register(&self, buffer: u32, region: &Arc<Region>) -> Result<()> {
@@ -613,13 +684,16 @@ impl Transport for RdmaTransport {
 
     fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
         let node = self.node.clone();
-        let addr = self.peer_addr(&peer);
+        let found = self.peer_addr(&peer);
         let mut counted = self.admission.as_ref().map(|a| a.connection());
         let queue_pairs = self.node.cfg.queue_pairs_per_peer;
         Box::pin(async move {
-            let addr = addr.ok_or_else(|| {
-                Error::new(ErrorKind::NoTransport, "peer has no rdma endpoint")
-                    .with_peer(&peer.name)
+            let (addr, secret) = found.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NoTransport,
+                    "peer has no (valid) rdma endpoint: expected ip:port#32 hex digits",
+                )
+                .with_peer(&peer.name)
             })?;
             let lanes: Vec<Arc<Shared>> = (0..queue_pairs.max(1))
                 .map(|i| {
@@ -627,6 +701,7 @@ impl Transport for RdmaTransport {
                         node: node.clone(),
                         peer: peer.name.clone(),
                         addr,
+                        secret,
                         conn: Mutex::new(None),
                         serial: Arc::new(tokio::sync::Semaphore::new(1)),
                         // the first lane counts the link in the engine's open connections
@@ -706,6 +781,8 @@ struct Shared {
     node: Arc<RdmaNode>,
     peer: String,
     addr: SocketAddr,
+    /// Presented at queue pair setup (zeros where the peer asks none).
+    secret: [u8; SECRET_LEN],
     conn: Mutex<Option<Arc<Conn>>>,
     /// One run at a time on the queue pair (slices of several tasks queue here).
     serial: Arc<tokio::sync::Semaphore>,
@@ -738,8 +815,9 @@ impl Shared {
         let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
         let qp = self.node.new_queue_pair()?;
         let local = qp.endpoint(self.node.gid_index)?;
-        write_frame(&mut s, REQ_CONNECT, &local.to_bytes())
-            .map_err(|e| io_err("send the endpoint", e))?;
+        let mut req = self.secret.to_vec();
+        req.extend_from_slice(&local.to_bytes());
+        write_frame(&mut s, REQ_CONNECT, &req).map_err(|e| io_err("send the endpoint", e))?;
         let remote = match read_frame(&mut s)? {
             (0, p) => Endpoint::from_bytes(&p)?,
             (_, p) => return Err(decode_error(&p)),
@@ -1063,6 +1141,22 @@ mod tests {
                 .detail()
                 .contains("unknown access 7")
         );
+    }
+
+    #[test]
+    fn endpoints_carry_address_and_secret_and_bad_ones_are_refused() {
+        let (a, s) = parse_endpoint("10.0.0.1:4791#000102030405060708090a0b0c0d0eff").unwrap();
+        assert_eq!(a, "10.0.0.1:4791".parse::<SocketAddr>().unwrap());
+        assert_eq!(s[15], 0xff);
+        assert_eq!(s[1], 1);
+        for bad in [
+            "10.0.0.1:4791",
+            "10.0.0.1:4791#00",
+            "10.0.0.1:4791#000102030405060708090a0b0c0d0eZZ",
+            "nohost#000102030405060708090a0b0c0d0eff",
+        ] {
+            assert!(parse_endpoint(bad).is_none(), "{bad}");
+        }
     }
 
     #[test]
