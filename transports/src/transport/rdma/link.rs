@@ -463,6 +463,8 @@ fn serve(
 ) {
     let _ = s.set_nodelay(true);
     let mut qps: Vec<Arc<QueuePair>> = Vec::new();
+    // a connection that has not presented the secret may ask nothing else either
+    let mut admitted = secret.is_none();
     while let Ok((kind, p)) = read_frame(&mut s) {
         let reply = match kind {
             REQ_CONNECT => (|| {
@@ -505,9 +507,16 @@ fn serve(
                     .unwrap_or_else(|p| p.into_inner())
                     .push(Arc::downgrade(&qp));
                 qps.push(qp);
+                admitted = true;
                 Ok(local.to_bytes())
             })(),
             REQ_RESOLVE => (|| {
+                if !admitted {
+                    return Err(Error::new(
+                        ErrorKind::AccessDenied,
+                        "rdma control: a grant question before queue pair setup",
+                    ));
+                }
                 let (access, wire) = decode_resolve(&p)?;
                 let (region, grant) = admit(access, wire)?;
                 Ok(node.grant_key(&grant, &region)?.to_bytes())
