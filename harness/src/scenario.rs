@@ -704,7 +704,7 @@ requests:
             // An unknown name lists the valid ones.
             (
                 "transport: carrier_pigeon\nrequests: [{ case: text_short }]",
-                "loopback, shm, tcp",
+                "loopback, shm, rdma, tcp",
             ),
             (
                 "hops: { kv_cache: udp }\nrequests: [{ case: text_short }]",

@@ -30,6 +30,7 @@ pub use metadata::{InProcessStore, MetadataStore};
 pub use segment::{Endpoint, SegmentDescriptor};
 pub use transport::fault::{FaultInjector, FaultKind, FaultPoint, FaultRule};
 pub use transport::loopback::LoopbackConfig;
+pub use transport::rdma::RdmaConfig;
 pub use transport::shm::ShmConfig;
 pub use transport::tcp::TcpConfig;
 pub use transport::{

@@ -29,9 +29,12 @@ async fn assert_idle(e: &Engine) {
 #[case::mib_64(64 << 20)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_and_reads_are_bit_exact(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
     #[case] size: usize,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let data = pattern(size as u64, size);
@@ -76,8 +79,11 @@ async fn writes_and_reads_are_bit_exact(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_batches_between_several_engines(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     const N: usize = 4;
     const TASKS: usize = 4;
     let e = engines(transport, N).await;
@@ -144,8 +150,11 @@ async fn many_concurrent_batches_between_several_engines(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_outside_a_grant_are_refused_and_touch_nothing(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let src = a.allocate(1 << 16).unwrap();
@@ -210,8 +219,11 @@ async fn writes_outside_a_grant_are_refused_and_touch_nothing(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let src = a.allocate(1 << 20).unwrap();
@@ -242,8 +254,11 @@ async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_times_out_frees_everything_and_fences_the_late_write(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let (a, b, gate) = gated_pair(transport, 0).await;
     let a_base = a.usage();
     let src = a.allocate(256 << 10).unwrap();
@@ -296,8 +311,11 @@ async fn deadline_times_out_frees_everything_and_fences_the_late_write(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let (a, b, gate) = gated_pair(transport, 1).await;
     let src = a.allocate(4 << 20).unwrap();
     let dst = b.allocate(4 << 20).unwrap();
@@ -337,8 +355,11 @@ async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_buffers_refuse_to_unregister(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let dst = b.allocate(8192).unwrap();
@@ -369,8 +390,11 @@ async fn busy_buffers_refuse_to_unregister(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_errors_that_name_them(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     let src = a.allocate(4096).unwrap();
@@ -434,8 +458,11 @@ async fn bad_requests_get_errors_that_name_them(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn freeing_a_running_batch_cancels_and_releases(
-    #[values("loopback", "tcp", "shm")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let (a, b, gate) = gated_pair(transport, 0).await;
     let src = a.allocate(4096).unwrap();
     let dst = b.allocate(4096).unwrap();
@@ -665,4 +692,253 @@ async fn auto_prefers_shm_to_tcp_on_one_host() {
         c.connect(d.name()).await.unwrap().transport,
         TransportKind::Loopback
     );
+}
+
+/// The engine logs, once per peer, the transport it selected and, for rdma, the device, port,
+/// GID index and GID (the evidence a report needs that bytes moved over RDMA on that device).
+#[cfg(feature = "rdma")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tracing_test::traced_test]
+async fn rdma_the_engine_logs_device_port_and_gid_per_peer() {
+    if common::unavailable("rdma") {
+        return;
+    }
+    let e = engines("rdma", 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let info = a.connect(b.name()).await.unwrap();
+    assert_eq!(info.transport, TransportKind::Rdma);
+    let dev = omnirig_transports::transport::rdma::verbs::Device::open(None).unwrap();
+    let index = dev.default_gid_index(1).unwrap();
+    let gid = std::net::Ipv6Addr::from(dev.gid(1, index).unwrap()).to_string();
+    let want = [
+        "selected transport".to_string(),
+        format!("peer={}", b.name()),
+        "transport=\"rdma\"".to_string(),
+        format!("{} port 1 gid[{index}] {gid}", dev.name()),
+    ];
+    logs_assert(|lines: &[&str]| {
+        match lines
+            .iter()
+            .find(|l| want.iter().all(|w| l.contains(w.as_str())))
+        {
+            Some(_) => Ok(()),
+            None => Err(format!("no log line has all of {want:?}")),
+        }
+    });
+    // once per peer: a second connect reuses the link and logs nothing new
+    a.connect(b.name()).await.unwrap();
+    logs_assert(|lines: &[&str]| {
+        let n = lines
+            .iter()
+            .filter(|l| l.contains("selected transport") && l.contains(b.name()))
+            .count();
+        (n == 1).then_some(()).ok_or(format!("{n} selection lines"))
+    });
+}
+
+/// The engine's transfers across two RoCE nodes (two VMs joined by a virtual link): node 0
+/// grants a write range and a read range of its buffer; node 1 learns node 0's descriptor over
+/// tcp, connects over rdma, writes requests of several sizes (one byte, a page, a slice plus
+/// three, several slices) and reads one back, bit-exact; after node 0 revokes, a write fails
+/// GrantRevoked and changes nothing. `ci/softroce.sh run --vms 2 -- cargo test ... --test engine
+/// -- --exact two_nodes_engine_transfers_over_rdma`.
+#[cfg(feature = "rdma")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_engine_transfers_over_rdma() {
+    use omnirig_transports::{Grant, RdmaConfig, TcpConfig};
+    use std::path::PathBuf;
+    let (Ok(node), Ok(run)) = (
+        std::env::var("SOFTROCE_NODE"),
+        std::env::var("SOFTROCE_RUN"),
+    ) else {
+        eprintln!(
+            "SKIPPED two_nodes_engine_transfers_over_rdma: needs two RoCE nodes; run it with \
+             `ci/softroce.sh run --vms 2 -- cargo test --features rdma --test engine -- --exact \
+             two_nodes_engine_transfers_over_rdma`"
+        );
+        return;
+    };
+    if std::env::var("SOFTROCE_NODES").as_deref() != Ok("2") {
+        eprintln!("SKIPPED two_nodes_engine_transfers_over_rdma: one VM (pass --vms 2)");
+        return;
+    }
+    if common::unavailable("rdma") {
+        return;
+    }
+    let run = PathBuf::from(run);
+    let wait = |name: &str| {
+        let p = run.join(name);
+        let t = Instant::now();
+        while !p.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(180),
+                "the other node never wrote {name}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::fs::read(&p).unwrap()
+    };
+    let put = |name: &str, b: &[u8]| {
+        let tmp = run.join(format!("{name}.engine.tmp"));
+        std::fs::write(&tmp, b).unwrap();
+        std::fs::rename(tmp, run.join(name)).unwrap();
+    };
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let unhex = |l: &str| {
+        (0..l.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&l[i..i + 2], 16).unwrap())
+            .collect::<Vec<u8>>()
+    };
+    const LEN: u64 = 6 << 20;
+    // (local offset, grant offset, len): one byte, a page, a slice plus three, several slices
+    const PIECES: [(u64, u64, u64); 4] = [
+        (0, 1, 1),
+        (4096, 4096, 4096),
+        (8192, 3 << 20, (1 << 20) + 3),
+        (16384, 8192, 3 << 20),
+    ];
+    let ip = std::env::var("SOFTROCE_IP").unwrap();
+    let config = |name: &str, tcp: Option<std::net::SocketAddr>| {
+        config(name, "rdma", &InProcessStore::new())
+            .with(TcpConfig {
+                listen: tcp,
+                ..TcpConfig::default()
+            })
+            .with(RdmaConfig {
+                slice_size: 1 << 20,
+                listen: format!("{ip}:0").parse().unwrap(),
+                ..RdmaConfig::default()
+            })
+    };
+    if node == "0" {
+        let e = Engine::new(config(
+            "node0",
+            Some(format!("{ip}:18600").parse().unwrap()),
+        ))
+        .await
+        .unwrap();
+        let buf = e.allocate(2 * LEN).unwrap();
+        buf.write(0, &vec![0xA5; LEN as usize]).unwrap();
+        buf.write(LEN, &pattern(77, LEN as usize)).unwrap();
+        let wg = e.grant(&buf, 0, LEN, Access::Write).unwrap();
+        let rg = e.grant(&buf, LEN, LEN, Access::Read).unwrap();
+        put(
+            "engine-grants",
+            format!("{}\n{}", hex(&wg.to_bytes()), hex(&rg.to_bytes())).as_bytes(),
+        );
+        wait("engine-pushed");
+        let src = pattern(11, LEN as usize);
+        let mut want = vec![0xA5; LEN as usize];
+        for (lo, go, n) in PIECES {
+            want[go as usize..(go + n) as usize]
+                .copy_from_slice(&src[lo as usize..(lo + n) as usize]);
+        }
+        // the buffer is readable here once the grant that lends it out is revoked
+        assert!(e.revoke(&wg));
+        let mut got = vec![0u8; LEN as usize];
+        buf.read(0, &mut got).unwrap();
+        assert!(got == want, "node 1's writes did not land bit-exact");
+        put("engine-revoked", b"");
+        wait("engine-done");
+        buf.read(0, &mut got).unwrap();
+        assert!(got == want, "a write after revoke changed node 0's memory");
+        e.revoke(&rg);
+        assert_idle(&e).await;
+        println!("RESULT two nodes: node 0 saw every write land and none after revoke");
+    } else {
+        let e = Engine::new(config("node1", None)).await.unwrap();
+        let raw = String::from_utf8(wait("engine-grants")).unwrap();
+        let mut lines = raw.lines();
+        let wg = Grant::from_bytes(&unhex(lines.next().unwrap())).unwrap();
+        let rg = Grant::from_bytes(&unhex(lines.next().unwrap())).unwrap();
+        let peer = std::env::var("SOFTROCE_PEER_IP").unwrap();
+        let info = e
+            .connect_addr(format!("{peer}:18600").parse().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(info.transport, TransportKind::Rdma, "{info:?}");
+        let src = e.allocate(LEN).unwrap();
+        src.write(0, &pattern(11, LEN as usize)).unwrap();
+        let t0 = Instant::now();
+        e.transfer(
+            PIECES
+                .iter()
+                .map(|&(lo, go, n)| Request::write(&src, lo, &wg, go, n))
+                .collect(),
+            T,
+        )
+        .await
+        .unwrap();
+        let push = t0.elapsed();
+        let back = e.allocate(LEN).unwrap();
+        let t0 = Instant::now();
+        e.transfer(vec![Request::read(&back, 0, &rg, 0, LEN)], T)
+            .await
+            .unwrap();
+        let pull = t0.elapsed();
+        let mut got = vec![0u8; LEN as usize];
+        back.read(0, &mut got).unwrap();
+        assert!(
+            got == pattern(77, LEN as usize),
+            "the read was not bit-exact"
+        );
+        put("engine-pushed", b"");
+        wait("engine-revoked");
+        let err = e
+            .transfer(vec![Request::write(&src, 0, &wg, 0, 4096)], T)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::GrantRevoked, "{err}");
+        assert_eq!(err.peer(), Some("node0"));
+        put("engine-done", b"");
+        assert_idle(&e).await;
+        println!(
+            "RESULT two nodes over {}: writes {:.1} MiB in {:.0} ms, read {:.0} MiB in {:.0} ms; \
+             write after revoke: {err}",
+            info.device,
+            PIECES.iter().map(|p| p.2).sum::<u64>() as f64 / 1048576.0,
+            push.as_secs_f64() * 1e3,
+            LEN as f64 / 1048576.0,
+            pull.as_secs_f64() * 1e3
+        );
+    }
+}
+
+/// An engine's rdma control server sets up queue pairs only for peers presenting the secret
+/// its descriptor publishes: a peer that merely reaches the address is refused, naming why.
+#[cfg(feature = "rdma")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_queue_pair_setup_needs_the_engines_secret() {
+    use omnirig_transports::transport::Transport;
+    use omnirig_transports::transport::rdma::link::{RdmaNode, RdmaTransport};
+    use omnirig_transports::{RdmaConfig, SegmentDescriptor};
+    if common::unavailable("rdma") {
+        return;
+    }
+    let e = engines("rdma", 2).await;
+    let endpoint = e[1]
+        .descriptor()
+        .endpoint(TransportKind::Rdma)
+        .map(|b| String::from_utf8(b.to_vec()).unwrap())
+        .expect("an rdma endpoint in the descriptor");
+    let (addr, secret) = endpoint.split_once('#').expect("address#secret");
+    assert_eq!(secret.len(), 32, "{endpoint}");
+    // the engine's own peers get through
+    assert_eq!(
+        e[0].connect(e[1].name()).await.unwrap().transport,
+        TransportKind::Rdma
+    );
+    // a stranger that knows only the address does not
+    let stranger = RdmaTransport::new(RdmaNode::open(RdmaConfig::default()).unwrap());
+    stranger.add_peer("victim", addr.parse().unwrap());
+    let err = match stranger
+        .connect(SegmentDescriptor::new("victim", 1, vec![], vec![]))
+        .await
+    {
+        Ok(_) => panic!("queue pair set up without the secret"),
+        Err(err) => err,
+    };
+    assert_eq!(err.kind(), ErrorKind::AccessDenied, "{err}");
+    assert!(err.detail().contains("secret"), "{err}");
 }

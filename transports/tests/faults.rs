@@ -99,10 +99,13 @@ impl Run {
 #[case::drop_connection(FaultKind::DropConnection, ErrorKind::PeerDisconnected)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_faults_fail_the_task_and_stop_at_the_fault(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma")] transport: &'static str,
     #[case] kind: FaultKind,
     #[case] expected: ErrorKind,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let r = setup(transport, kind, FaultPoint::AfterBytes(AT)).await;
     let (state, g) = r.write(Duration::from_secs(30), None).await;
     let TaskState::Failed(e) = state else {
@@ -138,8 +141,11 @@ async fn failing_faults_fail_the_task_and_stop_at_the_fault(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stall_times_out_within_the_deadline(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let r = setup(transport, FaultKind::Stall, FaultPoint::BeforeSubmit).await;
     let deadline = Duration::from_millis(300);
     let t = Instant::now();
@@ -156,7 +162,12 @@ async fn a_stall_times_out_within_the_deadline(
 
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delay_only_slows_the_transfer(#[values("loopback", "tcp")] transport: &'static str) {
+async fn a_delay_only_slows_the_transfer(
+    #[values("loopback", "tcp", "rdma")] transport: &'static str,
+) {
+    if common::unavailable(transport) {
+        return;
+    }
     let r = setup(
         transport,
         FaultKind::Delay { ms: 100 },
@@ -175,8 +186,11 @@ async fn a_delay_only_slows_the_transfer(#[values("loopback", "tcp")] transport:
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corruption_flips_exactly_one_landed_byte_and_never_the_source(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let r = setup(transport, FaultKind::Corrupt, FaultPoint::AfterBytes(AT)).await;
     let (state, g) = r.write(Duration::from_secs(30), None).await;
     // The transport cannot know: only a digest at the receiver catches this.
@@ -191,8 +205,11 @@ async fn corruption_flips_exactly_one_landed_byte_and_never_the_source(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicated_completion_reports_done_with_bytes_missing(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma")] transport: &'static str,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let r = setup(
         transport,
         FaultKind::DuplicateCompletion,
@@ -223,10 +240,13 @@ async fn a_duplicated_completion_reports_done_with_bytes_missing(
 #[case::late_write(FaultKind::LateWrite, TaskState::TimedOut)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_bytes_that_arrive_after_revoke_never_land(
-    #[values("loopback", "tcp")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma")] transport: &'static str,
     #[case] kind: FaultKind,
     #[case] expected: TaskState,
 ) {
+    if common::unavailable(transport) {
+        return;
+    }
     let r = setup(transport, kind, FaultPoint::AfterBytes(AT)).await;
     let (state, g) = r.write(Duration::from_millis(500), None).await;
     assert_eq!(state, expected);

@@ -23,14 +23,18 @@ pub enum TransportKind {
     Tcp,
     /// Engines of one host: the grant owner copies through a sealed memfd.
     Shm,
+    /// Engines on hosts with an RDMA device: one-sided verbs into fenced grants (cargo feature
+    /// `rdma`; a build without it refuses to start this transport, naming the feature).
+    Rdma,
 }
 
 impl TransportKind {
     /// Every kind this build knows, in order of preference when several reach a peer
-    /// (same process, same host, anywhere).
+    /// (same process, same host, an RDMA fabric, anywhere).
     pub const ALL: &'static [TransportKind] = &[
         TransportKind::Loopback,
         TransportKind::Shm,
+        TransportKind::Rdma,
         TransportKind::Tcp,
     ];
 
@@ -40,6 +44,7 @@ impl TransportKind {
             TransportKind::Loopback => "loopback",
             TransportKind::Tcp => "tcp",
             TransportKind::Shm => "shm",
+            TransportKind::Rdma => "rdma",
         }
     }
 

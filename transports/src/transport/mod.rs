@@ -26,6 +26,7 @@ pub use kind::TransportKind;
 pub mod fault;
 pub mod kind;
 pub mod loopback;
+pub mod rdma;
 pub mod shm;
 pub mod tcp;
 
@@ -219,6 +220,7 @@ pub fn default_setup(kind: TransportKind) -> Arc<dyn TransportSetup> {
         TransportKind::Loopback => Arc::new(loopback::LoopbackConfig::default()),
         TransportKind::Tcp => Arc::new(tcp::TcpConfig::default()),
         TransportKind::Shm => Arc::new(shm::ShmConfig::default()),
+        TransportKind::Rdma => Arc::new(rdma::RdmaConfig::default()),
     }
 }
 

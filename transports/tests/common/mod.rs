@@ -9,9 +9,37 @@ use std::time::Duration;
 
 pub use omnirig_test_support::slices::Gate;
 use omnirig_transports::{
-    Engine, EngineConfig, InProcessStore, LoopbackConfig, ShmConfig, TcpConfig, TransportKind,
-    Usage,
+    Engine, EngineConfig, InProcessStore, LoopbackConfig, RdmaConfig, ShmConfig, TcpConfig,
+    TransportKind, Usage,
 };
+
+/// Whether `transport` cannot run here (rdma built without its feature, or no RDMA device):
+/// says so on stderr, past libtest's capture, with how to run it. OMNIRIG_RDMA_REQUIRED=1 (the
+/// soft-RoCE lane) makes it a failure instead.
+pub fn unavailable(transport: &str) -> bool {
+    use std::io::Write;
+    if transport != "rdma" {
+        return false;
+    }
+    #[cfg(feature = "rdma")]
+    let why = match omnirig_transports::transport::rdma::verbs::device_names() {
+        Ok(names) if !names.is_empty() => return false,
+        Ok(_) => "no RDMA device".to_string(),
+        Err(e) => e.to_string(),
+    };
+    #[cfg(not(feature = "rdma"))]
+    let why = "built without the rdma feature".to_string();
+    assert!(
+        std::env::var("OMNIRIG_RDMA_REQUIRED").as_deref() != Ok("1"),
+        "OMNIRIG_RDMA_REQUIRED=1 but {why}"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED an rdma case: {why}. Build with --features rdma and run the test binary with \
+         ci/softroce.sh run -- ... (a QEMU VM with soft-RoCE)"
+    );
+    true
+}
 
 /// A unique engine name per test, so tests sharing a process never collide.
 pub fn unique(prefix: &str) -> String {
@@ -43,6 +71,10 @@ pub fn config(name: &str, transport: &str, store: &Arc<InProcessStore>) -> Engin
                 slice_size: 1 << 20,
                 streams: 2,
                 ..ShmConfig::default()
+            }),
+            TransportKind::Rdma => c.with(RdmaConfig {
+                slice_size: 1 << 20,
+                ..RdmaConfig::default()
             }),
         };
     }

@@ -1,0 +1,1183 @@
+//! The rdma transport: per-peer RC queue pairs set up over a small TCP control connection,
+//! grants resolved to (address, rkey) keys, one-sided WRITE / READ slices.
+//!
+//! Shaped for the transport seam's hooks: [`RdmaNode::on_register`] / [`on_unregister`],
+//! [`RdmaNode::grant_key`] (the grant-issue hook: the key bytes a grant carries) and
+//! [`RdmaNode::on_revoke`] (returns once the device refuses the grant's rkey). The key travels
+//! with the grant ([`SliceOp::key`]), so a slice starts without asking the target anything; the
+//! control connection sets up queue pairs and, only after the device refused an access, asks the
+//! target's admission why (revoked, expired, unknown). Peers' control addresses come from their
+//! descriptors' rdma endpoint (or [`RdmaTransport::add_peer`] in tools and tests).
+//!
+//! [`on_unregister`]: RdmaNode::on_unregister
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::grant::{Access, Grant, GrantRef};
+use crate::memory::Region;
+use crate::segment::Endpoint as SegmentEndpoint;
+use crate::segment::SegmentDescriptor;
+use crate::transport::{
+    Admission, BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport,
+    TransportKind,
+};
+
+pub use super::RdmaConfig;
+
+use super::fence::FencedGrant;
+use super::keys::{Endpoint, GrantKey};
+use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp, Run};
+
+/// Checks a grant access on the target: the engine's admission (grant table, token, expiry,
+/// access kind); returns the buffer's region and the grant. With the seam's `Admission`:
+/// `admission.admit(access, wire, 0, 1).map(|(r, a)| (r, a.entry.grant.clone()))`.
+pub type Admit = Arc<dyn Fn(Access, GrantRef) -> Result<(Arc<Region>, Grant)> + Send + Sync>;
+
+/// One engine's use of one RDMA device: local registrations, and the fences of grants it issued.
+pub struct RdmaNode {
+    device: Arc<Device>,
+    cfg: RdmaConfig,
+    gid_index: u32,
+    /// Registrations of local regions, by start address.
+    local: Mutex<HashMap<usize, Arc<MemoryRegistration>>>,
+    /// Fenced grants by epoch, with the wire reference they were issued for.
+    granted: Mutex<HashMap<u64, (GrantRef, FencedGrant)>>,
+}
+
+impl std::fmt::Debug for RdmaNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaNode")
+            .field("device", &self.device.name())
+            .field("port", &self.cfg.port)
+            .field("gid_index", &self.gid_index)
+            .finish()
+    }
+}
+
+impl RdmaNode {
+    /// Opens the device and checks the port is active and has a usable GID.
+    pub fn open(cfg: RdmaConfig) -> Result<Arc<Self>> {
+        let device = Device::open(cfg.device.as_deref())?;
+        let port = device.port(cfg.port)?;
+        if !port.active {
+            return Err(Error::new(
+                ErrorKind::Unreachable,
+                format!(
+                    "rdma device {} port {}: port is {}, not active",
+                    device.name(),
+                    cfg.port,
+                    port.state
+                ),
+            ));
+        }
+        let gid_index = match cfg.gid_index {
+            Some(i) => {
+                device.gid(cfg.port, i)?;
+                i
+            }
+            None => device.default_gid_index(cfg.port)?,
+        };
+        Ok(Arc::new(Self {
+            device,
+            cfg,
+            gid_index,
+            local: Mutex::new(HashMap::new()),
+            granted: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    pub fn gid_index(&self) -> u32 {
+        self.gid_index
+    }
+
+    /// The register hook: registers a buffer's region for local use (the source of writes,
+    /// the landing of reads).
+    pub fn on_register(&self, _buffer: u32, region: &Arc<Region>) -> Result<()> {
+        self.local_registration(region).map(|_| ())
+    }
+
+    /// The unregister hook: drops the region's local registration (in-flight slices hold
+    /// their own reference until their work requests completed).
+    pub fn on_unregister(&self, _buffer: u32, region: &Arc<Region>) {
+        self.lock_local().remove(&region.addr());
+    }
+
+    /// The grant-issue hook: the key bytes the grant carries to initiators (sealed with the
+    /// grant's reference: [`GrantKey::sealed`]).
+    pub fn on_grant(&self, grant: &Grant, region: &Arc<Region>) -> Result<Option<Vec<u8>>> {
+        Ok(Some(
+            self.grant_key(grant, region)?
+                .sealed(&grant.wire())
+                .to_bytes(),
+        ))
+    }
+
+    fn lock_local(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Arc<MemoryRegistration>>> {
+        self.local.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_granted(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (GrantRef, FencedGrant)>> {
+        self.granted.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The registration covering `region` (the register hook made it; regions used without
+    /// it, as in tools and tests that drive a link directly, are registered on first use).
+    pub fn local_registration(&self, region: &Arc<Region>) -> Result<Arc<MemoryRegistration>> {
+        if let Some(r) = self.lock_local().get(&region.addr())
+            && Arc::ptr_eq(r.region(), region)
+        {
+            return Ok(r.clone());
+        }
+        let r = Arc::new(self.device.register(
+            region,
+            0,
+            region.len() as u64,
+            RemoteAccess::ReadWrite,
+        )?);
+        self.lock_local().insert(region.addr(), r.clone());
+        Ok(r)
+    }
+
+    /// The key for `grant` over `region`: a memory region registered over exactly the granted
+    /// range (memory windows on rxe do not bound the range: see the rdma tests). Idempotent per
+    /// grant epoch.
+    pub fn grant_key(&self, grant: &Grant, region: &Arc<Region>) -> Result<GrantKey> {
+        if let Some((wire, f)) = self.lock_granted().get(&grant.epoch)
+            && *wire == grant.wire()
+        {
+            return Ok(f.key());
+        }
+        let access = match grant.access {
+            Access::Write => RemoteAccess::Write,
+            Access::Read => RemoteAccess::Read,
+        };
+        let fenced = FencedGrant::register(&self.device, region, grant.offset, grant.len, access)?;
+        let key = fenced.key();
+        self.lock_granted()
+            .insert(grant.epoch, (grant.wire(), fenced));
+        Ok(key)
+    }
+
+    /// The revoke hook: once this returns, the grant's rkey is refused by the device.
+    pub fn on_revoke(&self, grant: &GrantRef) {
+        if let Err(e) = self.revoke_grant(grant) {
+            tracing::error!(
+                epoch = grant.epoch,
+                "rdma: closing a revoked grant's fence: {e}"
+            );
+        }
+    }
+
+    /// Closes a grant's fence: once this returns, its rkey is refused by the device.
+    pub fn revoke_grant(&self, grant: &GrantRef) -> Result<()> {
+        let taken = {
+            let mut g = self.lock_granted();
+            match g.get(&grant.epoch) {
+                Some((wire, _)) if wire == grant => g.remove(&grant.epoch),
+                _ => None,
+            }
+        };
+        match taken {
+            Some((_, f)) => f
+                .revoke(Instant::now() + Duration::from_secs(10))
+                .map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    /// Local regions registered with the device (for leak checks: the unregister hook drops
+    /// them).
+    pub fn local_registrations(&self) -> usize {
+        self.lock_local().len()
+    }
+
+    /// Grants with a live fence on the device (for leak checks).
+    pub fn fenced_grants(&self) -> usize {
+        self.lock_granted().len()
+    }
+
+    fn new_queue_pair(&self) -> Result<Arc<QueuePair>> {
+        QueuePair::create_with_spin(
+            &self.device,
+            self.cfg.port,
+            self.cfg.max_outstanding,
+            self.cfg.completion_spin,
+        )
+    }
+
+    /// Device, port, GID index and the GID itself: what the engine logs for each peer (the
+    /// evidence that a transfer ran over this device, not over TCP).
+    fn describe(&self) -> String {
+        let gid = self
+            .device
+            .gid(self.cfg.port, self.gid_index)
+            .map(|g| fmt_gid(&g).to_string())
+            .unwrap_or_else(|e| format!("unreadable ({e})"));
+        format!(
+            "{} port {} gid[{}] {gid}",
+            self.device.name(),
+            self.cfg.port,
+            self.gid_index
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// control connection: [kind u8][len u32 le][payload], replies [status u8][len u32 le][payload]
+// ---------------------------------------------------------------------------------------------
+
+const REQ_CONNECT: u8 = 1;
+const REQ_RESOLVE: u8 = 2;
+const MAX_FRAME: usize = 4096;
+
+fn write_frame(s: &mut TcpStream, tag: u8, payload: &[u8]) -> std::io::Result<()> {
+    let mut b = Vec::with_capacity(5 + payload.len());
+    b.push(tag);
+    b.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    b.extend_from_slice(payload);
+    s.write_all(&b)
+}
+
+fn read_frame(s: &mut TcpStream) -> Result<(u8, Vec<u8>)> {
+    let mut h = [0u8; 5];
+    s.read_exact(&mut h)
+        .map_err(|e| io_err("read a control frame", e))?;
+    let len = u32::from_le_bytes(h[1..5].try_into().expect("4 bytes")) as usize;
+    if len > MAX_FRAME {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            format!("rdma control frame of {len} bytes, limit {MAX_FRAME}"),
+        ));
+    }
+    let mut p = vec![0u8; len];
+    s.read_exact(&mut p)
+        .map_err(|e| io_err("read a control frame", e))?;
+    Ok((h[0], p))
+}
+
+fn io_err(what: &str, e: std::io::Error) -> Error {
+    let kind = match e.kind() {
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::BrokenPipe => ErrorKind::PeerDisconnected,
+        std::io::ErrorKind::ConnectionRefused => ErrorKind::Unreachable,
+        _ => ErrorKind::Io,
+    };
+    Error::new(kind, format!("rdma control: {what}: {e}"))
+}
+
+fn error_payload(e: &Error) -> Vec<u8> {
+    let mut b = e.kind().code().to_le_bytes().to_vec();
+    let d = e.detail().as_bytes();
+    b.extend_from_slice(&d[..d.len().min(1024)]);
+    b
+}
+
+fn decode_error(p: &[u8]) -> Error {
+    if p.len() < 2 {
+        return Error::new(ErrorKind::Malformed, "rdma control: short error reply");
+    }
+    let code = u16::from_le_bytes([p[0], p[1]]);
+    let detail = String::from_utf8_lossy(&p[2..]).into_owned();
+    match ErrorKind::from_code(code) {
+        Some(k) => Error::new(k, detail),
+        None => Error::new(
+            ErrorKind::Malformed,
+            format!("rdma control: unknown error code {code}: {detail}"),
+        ),
+    }
+}
+
+fn encode_resolve(access: Access, g: &GrantRef) -> Vec<u8> {
+    let mut b = Vec::with_capacity(21);
+    b.push(match access {
+        Access::Write => 1,
+        Access::Read => 2,
+    });
+    b.extend_from_slice(&g.buffer.to_le_bytes());
+    b.extend_from_slice(&g.epoch.to_le_bytes());
+    b.extend_from_slice(&g.token.to_le_bytes());
+    b
+}
+
+fn decode_resolve(p: &[u8]) -> Result<(Access, GrantRef)> {
+    if p.len() != 21 {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            format!("rdma key request of {} bytes, expected 21", p.len()),
+        ));
+    }
+    let access = match p[0] {
+        1 => Access::Write,
+        2 => Access::Read,
+        a => {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                format!("rdma key request: unknown access {a}"),
+            ));
+        }
+    };
+    Ok((
+        access,
+        GrantRef {
+            buffer: u32::from_le_bytes(p[1..5].try_into().expect("4")),
+            epoch: u64::from_le_bytes(p[5..13].try_into().expect("8")),
+            token: u64::from_le_bytes(p[13..21].try_into().expect("8")),
+        },
+    ))
+}
+
+/// The target side: accepts control connections, sets up one queue pair per connection, and
+/// resolves admitted grants to keys.
+pub struct RdmaServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    /// Queue pairs of live control connections (for fault injection: [`fail_queue_pairs`]).
+    ///
+    /// [`fail_queue_pairs`]: RdmaServer::fail_queue_pairs
+    accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>>,
+    /// Open control connections by id, to close them at shutdown.
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    accept: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Bytes of the secret a queue pair setup must present when the server has one.
+pub const SECRET_LEN: usize = 16;
+
+impl RdmaServer {
+    /// A server that sets up queue pairs for anyone who reaches it (tools and tests).
+    pub fn start(node: Arc<RdmaNode>, admit: Admit) -> Result<Self> {
+        Self::start_with_secret(node, admit, None)
+    }
+
+    /// A server that sets up queue pairs only for peers presenting `secret` (the engine's:
+    /// published in its descriptor's rdma endpoint, so only peers that learned the descriptor
+    /// can reach its memory).
+    pub fn start_with_secret(
+        node: Arc<RdmaNode>,
+        admit: Admit,
+        secret: Option<[u8; SECRET_LEN]>,
+    ) -> Result<Self> {
+        let listener = TcpListener::bind(node.cfg.listen)
+            .map_err(|e| io_err(&format!("listen on {}", node.cfg.listen), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| io_err("local address", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>> = Arc::default();
+        let accepted2 = accepted.clone();
+        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+        let conns2 = conns.clone();
+        let accept = std::thread::Builder::new()
+            .name("rdma-control".into())
+            .spawn(move || {
+                for (id, conn) in listener.incoming().enumerate() {
+                    if stop2.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let id = id as u64;
+                    if let Ok(c) = conn.try_clone() {
+                        conns2
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(id, c);
+                    }
+                    let (node, admit) = (node.clone(), admit.clone());
+                    let (accepted, conns) = (accepted2.clone(), conns2.clone());
+                    let _ = std::thread::Builder::new()
+                        .name("rdma-peer".into())
+                        .spawn(move || {
+                            serve(conn, node, admit, accepted, secret);
+                            conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                        });
+                }
+            })
+            .map_err(|e| io_err("spawn the control thread", e))?;
+        Ok(Self {
+            addr,
+            stop,
+            accepted,
+            conns,
+            accept: Some(accept),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Moves every queue pair peers connected to ERROR, as if this node died: peers' requests
+    /// get no answer until they give up (fault injection).
+    pub fn fail_queue_pairs(&self) {
+        let mut a = self.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        a.retain(|w| w.strong_count() > 0);
+        for qp in a.iter().filter_map(|w| w.upgrade()) {
+            let _ = qp.set_error();
+        }
+    }
+}
+
+impl RdmaServer {
+    /// Stops accepting and closes every control connection: their queue pairs go to ERROR and
+    /// are destroyed, so no peer reaches this node's memory any more (the seam's shutdown hook).
+    pub fn shutdown(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.accept.take() {
+            // wake the accept loop
+            let _ = TcpStream::connect(self.addr);
+            let _ = t.join();
+        }
+        for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        self.fail_queue_pairs();
+    }
+}
+
+impl Drop for RdmaServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// One peer's control connection. Its queue pairs live as long as the connection; when it
+/// closes they are moved to ERROR (nothing more lands) and destroyed.
+fn serve(
+    mut s: TcpStream,
+    node: Arc<RdmaNode>,
+    admit: Admit,
+    accepted: Arc<Mutex<Vec<std::sync::Weak<QueuePair>>>>,
+    secret: Option<[u8; SECRET_LEN]>,
+) {
+    let _ = s.set_nodelay(true);
+    let mut qps: Vec<Arc<QueuePair>> = Vec::new();
+    // a connection that has not presented the secret may ask nothing else either
+    let mut admitted = secret.is_none();
+    while let Ok((kind, p)) = read_frame(&mut s) {
+        let reply = match kind {
+            REQ_CONNECT => (|| {
+                if p.len() < SECRET_LEN {
+                    return Err(Error::new(
+                        ErrorKind::Malformed,
+                        format!("rdma control: a {}-byte queue pair request", p.len()),
+                    ));
+                }
+                let (presented, endpoint) = p.split_at(SECRET_LEN);
+                if let Some(want) = &secret {
+                    // compared in full whatever differs first
+                    let diff = want
+                        .iter()
+                        .zip(presented)
+                        .fold(0u8, |d, (a, b)| d | (a ^ b));
+                    if diff != 0 {
+                        return Err(Error::new(
+                            ErrorKind::AccessDenied,
+                            "rdma control: queue pair setup without this engine's secret \
+                             (it is in the engine's descriptor)",
+                        ));
+                    }
+                }
+                let remote = Endpoint::from_bytes(endpoint)?;
+                let qp = node.new_queue_pair()?;
+                let local = qp.endpoint(node.gid_index)?;
+                qp.connect(&remote, node.gid_index)?;
+                tracing::info!(
+                    transport = "rdma",
+                    device = node.device.name(),
+                    port = node.cfg.port,
+                    gid_index = node.gid_index,
+                    peer_device = %remote.device,
+                    peer_qpn = remote.qpn,
+                    "rdma: accepted a queue pair from a peer"
+                );
+                accepted
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(Arc::downgrade(&qp));
+                qps.push(qp);
+                admitted = true;
+                Ok(local.to_bytes())
+            })(),
+            REQ_RESOLVE => (|| {
+                if !admitted {
+                    return Err(Error::new(
+                        ErrorKind::AccessDenied,
+                        "rdma control: a grant question before queue pair setup",
+                    ));
+                }
+                let (access, wire) = decode_resolve(&p)?;
+                let (region, grant) = admit(access, wire)?;
+                Ok(node.grant_key(&grant, &region)?.to_bytes())
+            })(),
+            k => Err(Error::new(
+                ErrorKind::Malformed,
+                format!("rdma control: unknown request kind {k}"),
+            )),
+        };
+        let sent = match reply {
+            Ok(b) => write_frame(&mut s, 0, &b),
+            Err(e) => write_frame(&mut s, 1, &error_payload(&e)),
+        };
+        if sent.is_err() {
+            break;
+        }
+    }
+    for qp in qps {
+        let _ = qp.set_error();
+    }
+}
+
+/// The rdma endpoint a descriptor publishes: `ip:port#` and the secret in 32 hex digits.
+fn parse_endpoint(e: &str) -> Option<(SocketAddr, [u8; SECRET_LEN])> {
+    let (addr, hex) = e.split_once('#')?;
+    if hex.len() != 2 * SECRET_LEN || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut secret = [0u8; SECRET_LEN];
+    for (i, b) in secret.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some((addr.parse().ok()?, secret))
+}
+
+fn rng_err(e: getrandom::Error) -> Error {
+    Error::new(
+        ErrorKind::Resource,
+        format!("rdma: the OS random number generator failed: {e}"),
+    )
+}
+
+/// Starts the engine's rdma transport: opens the device (blocking verbs calls, off the
+/// runtime) and the control server, whose key requests go through the engine's admission.
+pub(super) fn start(
+    cfg: RdmaConfig,
+    engine: Admission,
+) -> BoxFuture<'static, Result<Arc<dyn Transport>>> {
+    Box::pin(async move {
+        let node = tokio::task::spawn_blocking(move || RdmaNode::open(cfg))
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma open task: {e}")))??;
+        let adm = engine.clone();
+        let admit: Admit = Arc::new(move |access, wire| {
+            let (region, a) = adm.admit(access, wire, 0, 1)?;
+            Ok((region, a.entry.grant.clone()))
+        });
+        let mut secret = [0u8; SECRET_LEN];
+        secret[..8].copy_from_slice(&getrandom::u64().map_err(rng_err)?.to_le_bytes());
+        secret[8..].copy_from_slice(&getrandom::u64().map_err(rng_err)?.to_le_bytes());
+        let server = RdmaServer::start_with_secret(node.clone(), admit, Some(secret))?;
+        tracing::info!(
+            transport = "rdma",
+            engine = engine.engine(),
+            device = node.device.name(),
+            port = node.cfg.port,
+            gid_index = node.gid_index,
+            control = %server.addr(),
+            "rdma: engine serves its memory through this device"
+        );
+        let mut t = RdmaTransport::new(node);
+        t.addr = Some(server.addr());
+        t.secret = Some(secret);
+        t.server = Mutex::new(Some(server));
+        t.admission = Some(engine);
+        Ok(Arc::new(t) as Arc<dyn Transport>)
+    })
+}
+
+/// The engine's rdma transport: the initiator side (links to peers) and, when started through
+/// the engine, the target side (the control server, grant keys, fences).
+pub struct RdmaTransport {
+    node: Arc<RdmaNode>,
+    /// Peers' control addresses added by hand (tests, tools), besides descriptors' endpoints.
+    peers: Mutex<HashMap<String, SocketAddr>>,
+    addr: Option<SocketAddr>,
+    /// What peers must present to set up queue pairs here (published with `addr`).
+    secret: Option<[u8; SECRET_LEN]>,
+    server: Mutex<Option<RdmaServer>>,
+    admission: Option<Admission>,
+}
+
+impl RdmaTransport {
+    pub fn new(node: Arc<RdmaNode>) -> Self {
+        Self {
+            node,
+            peers: Mutex::new(HashMap::new()),
+            addr: None,
+            secret: None,
+            server: Mutex::new(None),
+            admission: None,
+        }
+    }
+
+    pub fn node(&self) -> &Arc<RdmaNode> {
+        &self.node
+    }
+
+    pub fn add_peer(&self, segment: impl Into<String>, control: SocketAddr) {
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(segment.into(), control);
+    }
+
+    /// The peer's control address and the secret its queue pair setup asks for: from its
+    /// descriptor's rdma endpoint (`ip:port#hex`), else from [`RdmaTransport::add_peer`].
+    fn peer_addr(&self, peer: &SegmentDescriptor) -> Option<(SocketAddr, [u8; SECRET_LEN])> {
+        if let Some(e) = peer
+            .endpoint(TransportKind::Rdma)
+            .and_then(|b| std::str::from_utf8(b).ok())
+        {
+            return parse_endpoint(e);
+        }
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&peer.name)
+            .map(|a| (*a, [0; SECRET_LEN]))
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rdma
+    }
+
+    fn reaches(&self, peer: &SegmentDescriptor) -> bool {
+        self.peer_addr(peer).is_some()
+    }
+
+    fn endpoint(&self) -> Option<SegmentEndpoint> {
+        let secret: String = self
+            .secret
+            .unwrap_or_default()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        self.addr
+            .map(|a| SegmentEndpoint::new(TransportKind::Rdma, format!("{a}#{secret}")))
+    }
+
+    fn on_register(&self, buffer: u32, region: &Arc<Region>) -> Result<()> {
+        self.node.on_register(buffer, region)
+    }
+
+    fn on_unregister(&self, buffer: u32, region: &Arc<Region>) {
+        self.node.on_unregister(buffer, region)
+    }
+
+    fn on_grant(&self, grant: &Grant, region: &Arc<Region>) -> Result<Option<Vec<u8>>> {
+        self.node.on_grant(grant, region)
+    }
+
+    fn on_revoke(&self, grant: &GrantRef) {
+        self.node.on_revoke(grant)
+    }
+
+    fn shutdown(&self) {
+        if let Some(mut s) = self.server.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            s.shutdown();
+        }
+    }
+
+    fn connect(&self, peer: SegmentDescriptor) -> BoxFuture<'static, Result<Arc<dyn Link>>> {
+        let node = self.node.clone();
+        let found = self.peer_addr(&peer);
+        let mut counted = self.admission.as_ref().map(|a| a.connection());
+        let queue_pairs = self.node.cfg.queue_pairs_per_peer;
+        Box::pin(async move {
+            let (addr, secret) = found.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NoTransport,
+                    "peer has no (valid) rdma endpoint: expected ip:port#32 hex digits",
+                )
+                .with_peer(&peer.name)
+            })?;
+            let lanes: Vec<Arc<Shared>> = (0..queue_pairs.max(1))
+                .map(|i| {
+                    Arc::new(Shared {
+                        node: node.clone(),
+                        peer: peer.name.clone(),
+                        addr,
+                        secret,
+                        conn: Mutex::new(None),
+                        serial: Arc::new(tokio::sync::Semaphore::new(1)),
+                        // the first lane counts the link in the engine's open connections
+                        _counted: if i == 0 { counted.take() } else { None },
+                    })
+                })
+                .collect();
+            let link = lanes[0].clone();
+            // connect every lane now: an unreachable peer fails here, and a peer that goes
+            // away later is seen as gone on every lane (its control connections close)
+            let l = lanes.clone();
+            tokio::task::spawn_blocking(move || {
+                l.iter().try_for_each(|l| l.connection().map(|_| ()))
+            })
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma connect task: {e}")))?
+            .map_err(|e| e.with_peer(&peer.name))?;
+            link.announce();
+            Ok(Arc::new(RdmaLink {
+                lanes,
+                next: AtomicUsize::new(0),
+            }) as Arc<dyn Link>)
+        })
+    }
+}
+
+struct Conn {
+    control: Mutex<TcpStream>,
+    qp: Arc<QueuePair>,
+    remote: Endpoint,
+}
+
+impl Conn {
+    /// Whether the peer closed the control connection: its engine (or its rdma transport) is
+    /// gone and nothing in flight will ever complete. Checked without blocking; `false` while a
+    /// key request holds the connection.
+    fn peer_gone(&self) -> bool {
+        let Ok(s) = self.control.try_lock() else {
+            return false;
+        };
+        if s.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        let r = s.peek(&mut b);
+        let _ = s.set_nonblocking(false);
+        match r {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
+    }
+}
+
+/// A link to one peer: several lanes, each a queue pair (with its own control connection)
+/// running one run at a time. Slices of concurrent tasks spread over the lanes, so the device
+/// has work queued on several queue pairs instead of draining one between slices.
+struct RdmaLink {
+    lanes: Vec<Arc<Shared>>,
+    next: AtomicUsize,
+}
+
+impl RdmaLink {
+    /// An idle lane if there is one, else the next in turn (its queue is async).
+    fn lane(&self) -> Arc<Shared> {
+        let n = self.lanes.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|i| &self.lanes[(start + i) % n])
+            .find(|l| l.serial.available_permits() > 0)
+            .unwrap_or(&self.lanes[start % n])
+            .clone()
+    }
+}
+
+struct Shared {
+    node: Arc<RdmaNode>,
+    peer: String,
+    addr: SocketAddr,
+    /// Presented at queue pair setup (zeros where the peer asks none).
+    secret: [u8; SECRET_LEN],
+    conn: Mutex<Option<Arc<Conn>>>,
+    /// One run at a time on the queue pair (slices of several tasks queue here).
+    serial: Arc<tokio::sync::Semaphore>,
+    /// Counts the link in the engine's open connections while it exists (leak checks; first
+    /// lane only).
+    _counted: Option<Counted>,
+}
+
+impl Shared {
+    /// The live connection, (re)established when there is none or its queue pair broke.
+    fn connection(&self) -> Result<Arc<Conn>> {
+        let mut slot = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = slot.as_ref()
+            && !c.qp.is_error()
+        {
+            return Ok(c.clone());
+        }
+        // a broken queue pair is torn down (closing the control connection tells the peer to
+        // drop its end) and a new one set up
+        *slot = None;
+        let c = Arc::new(self.dial()?);
+        *slot = Some(c.clone());
+        Ok(c)
+    }
+
+    fn dial(&self) -> Result<Conn> {
+        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(5))
+            .map_err(|e| io_err(&format!("connect to {}", self.addr), e))?;
+        let _ = s.set_nodelay(true);
+        let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+        let qp = self.node.new_queue_pair()?;
+        let local = qp.endpoint(self.node.gid_index)?;
+        let mut req = self.secret.to_vec();
+        req.extend_from_slice(&local.to_bytes());
+        write_frame(&mut s, REQ_CONNECT, &req).map_err(|e| io_err("send the endpoint", e))?;
+        let remote = match read_frame(&mut s)? {
+            (0, p) => Endpoint::from_bytes(&p)?,
+            (_, p) => return Err(decode_error(&p)),
+        };
+        qp.connect(&remote, self.node.gid_index)?;
+        tracing::debug!(peer = %self.peer, qpn = qp.qpn(), peer_qpn = remote.qpn, "rdma: queue pair connected");
+        Ok(Conn {
+            control: Mutex::new(s),
+            qp,
+            remote,
+        })
+    }
+
+    /// Logs which device, port and GID this link selected for its peer (the evidence the RFC
+    /// asks for).
+    fn announce(&self) {
+        let Some(c) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone() else {
+            return;
+        };
+        let local_gid = self
+            .node
+            .device
+            .gid(self.node.cfg.port, self.node.gid_index)
+            .unwrap_or([0; 16]);
+        tracing::info!(
+            transport = "rdma",
+            peer = %self.peer,
+            device = self.node.device.name(),
+            port = self.node.cfg.port,
+            gid_index = self.node.gid_index,
+            gid = %fmt_gid(&local_gid),
+            peer_device = %c.remote.device,
+            peer_gid = %fmt_gid(&c.remote.gid),
+            mtu = c.remote.mtu,
+            "rdma: selected device, port and GID for peer"
+        );
+    }
+
+    /// The key the grant carries for rdma (the target's `on_grant` hook attached it), decoded
+    /// and validated.
+    fn op_key(op: &SliceOp) -> Result<GrantKey> {
+        match &op.key {
+            Some(b) => GrantKey::from_bytes(b).map(|k| k.unsealed(&op.grant)),
+            None => Err(Error::new(
+                ErrorKind::NoTransport,
+                format!(
+                    "rdma: grant epoch {} of buffer {} carries no rdma key (its engine has no \
+                     rdma transport, or issued the grant before starting one)",
+                    op.grant.epoch, op.grant.buffer
+                ),
+            )),
+        }
+    }
+
+    /// Asks the peer's admission about a grant (only after the device refused an access: the
+    /// key itself travels with the grant).
+    fn request_key(&self, conn: &Conn, access: Access, grant: GrantRef) -> Result<GrantKey> {
+        let reply = {
+            let mut s = conn.control.lock().unwrap_or_else(|p| p.into_inner());
+            write_frame(&mut s, REQ_RESOLVE, &encode_resolve(access, &grant))
+                .map_err(|e| io_err("ask for a grant's key", e))?;
+            read_frame(&mut s)?
+        };
+        match reply {
+            (0, p) => GrantKey::from_bytes(&p),
+            (_, p) => Err(decode_error(&p)),
+        }
+    }
+
+    /// The device refuses a stale key and an out-of-range access alike
+    /// (IBV_WC_REM_ACCESS_ERR); the peer's admission tells them apart. A grant it no longer
+    /// admits (revoked, expired, unknown) becomes that error, with the verbs status kept in the
+    /// detail; otherwise the refusal stays `AccessDenied`.
+    fn explain(&self, conn: &Conn, op: &SliceOp, e: Error) -> Error {
+        if e.kind() != ErrorKind::AccessDenied {
+            return e;
+        }
+        match self.request_key(conn, op.kind.access(), op.grant) {
+            Err(why)
+                if matches!(
+                    why.kind(),
+                    ErrorKind::GrantRevoked | ErrorKind::UnknownGrant | ErrorKind::BadToken
+                ) =>
+            {
+                Error::new(
+                    why.kind(),
+                    format!(
+                        "{}; the device refused the access: {}",
+                        why.detail(),
+                        e.detail()
+                    ),
+                )
+            }
+            _ => e,
+        }
+    }
+
+    /// The work requests for `op` on `qp`, `key` naming the grant.
+    fn remote_ops(
+        &self,
+        op: &SliceOp,
+        key: &GrantKey,
+        local: &Arc<MemoryRegistration>,
+    ) -> Result<Vec<RemoteOp>> {
+        key.remote_addr(op.grant_offset, op.len)?;
+        let wr = self.node.cfg.work_request_size.max(1) as u64;
+        Ok((0..op.len.div_ceil(wr))
+            .map(|i| {
+                let off = i * wr;
+                RemoteOp {
+                    write: op.kind == OpKind::Write,
+                    local: local.clone(),
+                    local_offset: op.local_offset + off,
+                    len: wr.min(op.len - off) as u32,
+                    remote_addr: key.addr + op.grant_offset + off,
+                    rkey: key.rkey,
+                }
+            })
+            .collect())
+    }
+
+    /// Everything needed is at hand (connected, key known, memory registered): start the run
+    /// without blocking I/O. `None` when something must be fetched first.
+    fn start_ready(&self, op: &SliceOp) -> Option<Result<(Run, Arc<Conn>)>> {
+        let conn = self
+            .conn
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .filter(|c| !c.qp.is_error())?;
+        let local = self
+            .node
+            .lock_local()
+            .get(&op.local.addr())
+            .filter(|r| Arc::ptr_eq(r.region(), &op.local))
+            .cloned()?;
+        Some(
+            Self::op_key(op)
+                .and_then(|key| self.remote_ops(op, &key, &local))
+                .and_then(|ops| {
+                    conn.qp
+                        .start(ops, Instant::now() + self.node.cfg.slice_deadline)
+                })
+                .map(|run| (run, conn)),
+        )
+    }
+
+    /// Connects and registers as needed (blocking), then starts the run.
+    fn start(&self, op: &SliceOp) -> Result<(Run, Arc<Conn>)> {
+        let key = Self::op_key(op)?;
+        let conn = self.connection()?;
+        let local = self.node.local_registration(&op.local)?;
+        let ops = self.remote_ops(op, &key, &local)?;
+        let run = conn
+            .qp
+            .start(ops, Instant::now() + self.node.cfg.slice_deadline)?;
+        Ok((run, conn))
+    }
+
+    /// Pumps `run` to its end on this (blocking) thread, watching the control connection: a
+    /// peer that closed it is gone, so the run is stopped (ERROR, drained) and fails with
+    /// `PeerDisconnected` at once instead of waiting out its deadline.
+    fn finish(&self, mut run: Run, conn: &Conn, cancel: &AtomicBool) -> Result<()> {
+        let stop = AtomicBool::new(false);
+        let mut gone = false;
+        loop {
+            if gone || cancel.load(Ordering::Acquire) {
+                stop.store(true, Ordering::Release);
+            }
+            match run.pump(Instant::now() + Duration::from_millis(50), Some(&stop)) {
+                Ok(true) => return Ok(()),
+                Ok(false) => gone = gone || conn.peer_gone(),
+                Err(e) if gone => {
+                    return Err(Error::new(
+                        ErrorKind::PeerDisconnected,
+                        format!(
+                            "rdma: the peer closed its control connection (its engine went away); \
+                             the requests in flight were stopped and drained ({})",
+                            e.detail()
+                        ),
+                    ));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A failed slice names its peer.
+    fn failed(&self, e: Error, _op: &SliceOp) -> Error {
+        e.with_peer(&self.peer)
+    }
+}
+
+/// Slices at most this long first spin on the runtime thread for [`INLINE_SPIN`] before their
+/// completion wait moves to a blocking thread: a thread hand-off costs more than a small
+/// write's whole round trip.
+const INLINE_MAX: u64 = 64 << 10;
+const INLINE_SPIN: Duration = Duration::from_micros(200);
+
+fn fmt_gid(g: &[u8; 16]) -> std::net::Ipv6Addr {
+    std::net::Ipv6Addr::from(*g)
+}
+
+/// Where a slice continues off the runtime thread.
+enum Next {
+    /// Connect / register as needed, then run.
+    Start,
+    /// The inline spin did not see the end: keep pumping.
+    Resume(Run, Arc<Conn>),
+    /// The device refused the access: ask the peer why.
+    Explain(Error, Arc<Conn>),
+}
+
+/// Sets the flag when dropped: the engine dropping a slice's future cancels its verbs run.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+impl Link for RdmaLink {
+    fn info(&self) -> LinkInfo {
+        let first = &self.lanes[0];
+        let remote = first
+            .conn
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|c| format!("{} qpn {}", c.remote.device, c.remote.qpn))
+            .unwrap_or_else(|| "not connected".into());
+        LinkInfo {
+            transport: TransportKind::Rdma,
+            device: format!("{} -> {} ({remote})", first.node.describe(), first.addr),
+        }
+    }
+
+    fn slicing(&self) -> Slicing {
+        Slicing {
+            slice_size: self.lanes[0].node.cfg.slice_size,
+            in_flight: self.lanes.len().max(2),
+        }
+    }
+
+    fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
+        let this = self.lane();
+        Box::pin(async move {
+            // one run at a time on a lane's queue pair; waiting here is async
+            let permit = this
+                .serial
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
+            let cancel = Arc::new(AtomicBool::new(false));
+            let guard = CancelOnDrop(cancel.clone());
+            let mut next = Next::Start;
+            if op.len <= INLINE_MAX
+                && let Some(run) = this.start_ready(&op)
+            {
+                let (mut run, conn) = run.map_err(|e| this.failed(e, &op))?;
+                next = match run.pump(Instant::now() + INLINE_SPIN, None) {
+                    Ok(true) => return Ok(()),
+                    Err(e) if e.kind() == ErrorKind::AccessDenied => Next::Explain(e, conn),
+                    Err(e) => return Err(this.failed(e, &op)),
+                    Ok(false) => Next::Resume(run, conn),
+                };
+            }
+            let shared = this.clone();
+            let op2 = op.clone();
+            let c = cancel.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                let _serial = permit;
+                let (run, conn) = match next {
+                    Next::Resume(run, conn) => (run, conn),
+                    Next::Start => shared.start(&op2)?,
+                    Next::Explain(e, conn) => return Err(shared.explain(&conn, &op2, e)),
+                };
+                shared
+                    .finish(run, &conn, &c)
+                    .map_err(|e| shared.explain(&conn, &op2, e))
+            })
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma slice task: {e}")))?;
+            drop(guard);
+            r.map_err(|e| this.failed(e, &op))
+        })
+    }
+
+    fn drop_connections(&self) {
+        for lane in &self.lanes {
+            if let Some(c) = lane.conn.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                let _ = c.qp.set_error();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_requests_round_trip_and_refuse_bad_input() {
+        let g = GrantRef {
+            buffer: 3,
+            epoch: 9,
+            token: 0xfeed,
+        };
+        let b = encode_resolve(Access::Read, &g);
+        assert_eq!(decode_resolve(&b).unwrap(), (Access::Read, g));
+        let e = decode_resolve(&b[..20]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Malformed);
+        assert!(e.detail().contains("expected 21"), "{e}");
+        let mut bad = b.clone();
+        bad[0] = 7;
+        assert!(
+            decode_resolve(&bad)
+                .unwrap_err()
+                .detail()
+                .contains("unknown access 7")
+        );
+    }
+
+    #[test]
+    fn endpoints_carry_address_and_secret_and_bad_ones_are_refused() {
+        let (a, s) = parse_endpoint("10.0.0.1:4791#000102030405060708090a0b0c0d0eff").unwrap();
+        assert_eq!(a, "10.0.0.1:4791".parse::<SocketAddr>().unwrap());
+        assert_eq!(s[15], 0xff);
+        assert_eq!(s[1], 1);
+        for bad in [
+            "10.0.0.1:4791",
+            "10.0.0.1:4791#00",
+            "10.0.0.1:4791#000102030405060708090a0b0c0d0eZZ",
+            "nohost#000102030405060708090a0b0c0d0eff",
+        ] {
+            assert!(parse_endpoint(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn error_replies_keep_their_kind_and_refuse_unknown_codes() {
+        let e = Error::new(ErrorKind::GrantRevoked, "grant epoch 4 was revoked");
+        let back = decode_error(&error_payload(&e));
+        assert_eq!(back.kind(), ErrorKind::GrantRevoked);
+        assert_eq!(back.detail(), "grant epoch 4 was revoked");
+        assert_eq!(
+            decode_error(&[0xff, 0xff, b'x']).kind(),
+            ErrorKind::Malformed
+        );
+        assert_eq!(decode_error(&[1]).kind(), ErrorKind::Malformed);
+    }
+}

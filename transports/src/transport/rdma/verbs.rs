@@ -1,0 +1,1348 @@
+//! A thin safe layer over libibverbs, through `sideway` (which loads libibverbs.so.1 at run time,
+//! so a binary built with the `rdma` feature starts on machines without it).
+//!
+//! `sideway` owns the objects' lifetimes (device, protection domain, memory regions, completion
+//! queue and channel, queue pairs, their state changes). What it does not wrap (memory windows,
+//! posting bind / invalidate / one-sided work requests through one path, arming and reading the
+//! completion channel) is called through its sys crate, `rdma-mummy-sys`, in [`raw`]: the only
+//! unsafe code of the rdma transport.
+//!
+//! Every refusal is an [`Error`] naming the device, the port and the step that failed.
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList, GetDeviceListErrorKind};
+use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu, PortState};
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    BasicQueuePair, QueuePair as _, QueuePairAttribute, QueuePairState, QueuePairType,
+};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::memory::Region;
+
+use super::keys::{Endpoint, mtu_bytes_valid};
+
+/// How to run the rdma tests and tools where this machine has no RDMA device.
+pub const HOW_TO_RUN: &str = "ci/softroce.sh runs them in a QEMU VM with soft-RoCE (rdma_rxe), e.g. \
+     `cargo test -p omnirig-transports --features rdma --test rdma --no-run` then \
+     `ci/softroce.sh run -- cargo test -p omnirig-transports --features rdma --test rdma`";
+
+/// Names of the RDMA devices present. Distinguishes "libibverbs missing" from "no device".
+pub fn device_names() -> Result<Vec<String>> {
+    let list = DeviceList::new().map_err(|e| {
+        let errno = match &e.0 {
+            GetDeviceListErrorKind::Ibverbs(io) => io.raw_os_error(),
+            #[allow(unreachable_patterns)]
+            _ => None,
+        };
+        if errno == Some(libc::EOPNOTSUPP) {
+            Error::new(
+                ErrorKind::Unreachable,
+                "rdma: libibverbs.so.1 not found (install libibverbs1 and ibverbs-providers)",
+            )
+        } else {
+            Error::new(
+                ErrorKind::Unreachable,
+                format!(
+                    "rdma: no RDMA device: ibv_get_device_list failed: {}",
+                    chain(&e)
+                ),
+            )
+        }
+    })?;
+    Ok(list.iter().map(|d| d.name()).collect())
+}
+
+/// An opened device with its protection domain. Everything this layer creates lives in this PD.
+pub struct Device {
+    name: String,
+    ctx: Arc<DeviceContext>,
+    pd: Arc<ProtectionDomain>,
+    max_qp_rd_atom: u8,
+    max_mw: i32,
+    max_qp_wr: u32,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("name", &self.name).finish()
+    }
+}
+
+/// What the engine needs to know about a port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortInfo {
+    pub port: u8,
+    pub active: bool,
+    pub state: String,
+    /// Active path MTU in bytes.
+    pub mtu: u32,
+    pub ethernet: bool,
+    pub gid_table_len: u32,
+}
+
+impl Device {
+    /// Opens the device called `name`, or the first device when `name` is `None`.
+    pub fn open(name: Option<&str>) -> Result<Arc<Self>> {
+        let names = device_names()?;
+        if names.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Unreachable,
+                "rdma: no RDMA device (libibverbs found no HCA and no rxe/siw link)",
+            ));
+        }
+        let list = DeviceList::new()
+            .map_err(|e| Error::new(ErrorKind::Unreachable, format!("rdma: {}", chain(&e))))?;
+        let dev = match name {
+            Some(n) => list.iter().find(|d| d.name() == n).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Unreachable,
+                    format!(
+                        "rdma: no device named {n:?} (present: {})",
+                        names.join(", ")
+                    ),
+                )
+            })?,
+            None => list.get(0).expect("the list is not empty"),
+        };
+        let dev_name = dev.name();
+        let step = |s: &str, e: &dyn std::error::Error| {
+            Error::new(
+                ErrorKind::Resource,
+                format!("rdma device {dev_name}: {s}: {}", chain(e)),
+            )
+        };
+        let ctx = dev.open().map_err(|e| step("open", &e))?;
+        let attr = ctx.query_device().map_err(|e| step("query device", &e))?;
+        let pd = ctx
+            .alloc_pd()
+            .map_err(|e| step("allocate protection domain", &e))?;
+        Ok(Arc::new(Self {
+            name: dev_name.clone(),
+            max_qp_rd_atom: attr.max_qp_rd_atom().clamp(1, 16) as u8,
+            max_mw: attr.max_mw(),
+            max_qp_wr: attr.max_qp_wr().max(1) as u32,
+            ctx,
+            pd,
+        }))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How many memory windows the device allows (0: it has none).
+    pub fn max_memory_windows(&self) -> i32 {
+        self.max_mw
+    }
+
+    fn err(&self, port: Option<u8>, step: &str, e: impl std::fmt::Display) -> Error {
+        let at = match port {
+            Some(p) => format!("rdma device {} port {p}", self.name),
+            None => format!("rdma device {}", self.name),
+        };
+        Error::new(ErrorKind::Resource, format!("{at}: {step}: {e}"))
+    }
+
+    pub fn port(&self, port: u8) -> Result<PortInfo> {
+        let a = self
+            .ctx
+            .query_port(port)
+            .map_err(|e| self.err(Some(port), "query port", chain(&e)))?;
+        Ok(PortInfo {
+            port,
+            active: a.port_state() == PortState::Active,
+            state: format!("{:?}", a.port_state()),
+            mtu: mtu_to_bytes(a.active_mtu()),
+            ethernet: a.link_layer() == LinkLayer::Ethernet,
+            gid_table_len: a.gid_tbl_len().max(0) as u32,
+        })
+    }
+
+    pub fn gid(&self, port: u8, index: u32) -> Result<[u8; 16]> {
+        let g = self
+            .ctx
+            .query_gid(port, index)
+            .map_err(|e| self.err(Some(port), &format!("query GID {index}"), chain(&e)))?;
+        Ok(g.raw)
+    }
+
+    /// The first RoCEv2 GID holding an IPv4 address (::ffff:a.b.c.d): what RoCE peers on an
+    /// IPv4 network route with. On InfiniBand (no RoCE), the first non-zero GID.
+    pub fn default_gid_index(&self, port: u8) -> Result<u32> {
+        let info = self.port(port)?;
+        for i in 0..info.gid_table_len {
+            let Ok(g) = self.gid(port, i) else { continue };
+            if g == [0; 16] {
+                continue;
+            }
+            if !info.ethernet {
+                return Ok(i);
+            }
+            let v4 = g[..10] == [0; 10] && g[10] == 0xff && g[11] == 0xff;
+            // sysfs GID type 1 is RoCE v2
+            let v2 = self
+                .ctx
+                .query_gid_type(port, i)
+                .map(|t| t == 1)
+                .unwrap_or(false);
+            if v4 && v2 {
+                return Ok(i);
+            }
+        }
+        Err(self.err(
+            Some(port),
+            "choose a GID",
+            "no RoCEv2 IPv4 GID (is an IPv4 address set on the port's netdev?)",
+        ))
+    }
+
+    /// Registers `len` bytes of `region` from `offset` for remote `access` (plus local write,
+    /// which READ needs to land data, and window binding).
+    pub fn register(
+        &self,
+        region: &Arc<Region>,
+        offset: u64,
+        len: u64,
+        access: RemoteAccess,
+    ) -> Result<MemoryRegistration> {
+        let (off, n) = region.check(offset, len)?;
+        if n == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                "rdma: cannot register an empty range",
+            ));
+        }
+        let mut flags = AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind;
+        flags |= access.flags();
+        // SAFETY: region.check proved off..off+n lies inside the region, and the registration
+        // holds an Arc of the region, so the memory outlives the MR (deregistered on drop).
+        let mr = unsafe { self.pd.reg_mr(region.addr() + off, n, flags) }
+            .map_err(|e| self.err(None, &format!("register {n} bytes"), chain(&e)))?;
+        Ok(MemoryRegistration {
+            mr,
+            region: region.clone(),
+            offset,
+            len,
+        })
+    }
+
+    /// Allocates a type 2 memory window (bound later, per grant, through a queue pair).
+    pub fn alloc_window(self: &Arc<Self>) -> Result<MemoryWindow> {
+        raw::alloc_mw(&self.pd)
+            .map(|mw| MemoryWindow {
+                mw,
+                _device: self.clone(),
+            })
+            .map_err(|e| self.err(None, "allocate a type 2 memory window", e))
+    }
+}
+
+/// What a peer may do with registered memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteAccess {
+    Write,
+    Read,
+    ReadWrite,
+}
+
+impl RemoteAccess {
+    fn flags(self) -> AccessFlags {
+        match self {
+            RemoteAccess::Write => AccessFlags::RemoteWrite,
+            RemoteAccess::Read => AccessFlags::RemoteRead,
+            RemoteAccess::ReadWrite => AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+        }
+    }
+}
+
+fn mtu_to_bytes(m: Mtu) -> u32 {
+    match m {
+        Mtu::Mtu256 => 256,
+        Mtu::Mtu512 => 512,
+        Mtu::Mtu1024 => 1024,
+        Mtu::Mtu2048 => 2048,
+        Mtu::Mtu4096 => 4096,
+    }
+}
+
+fn mtu_from_bytes(b: u32) -> Mtu {
+    match b {
+        256 => Mtu::Mtu256,
+        512 => Mtu::Mtu512,
+        1024 => Mtu::Mtu1024,
+        2048 => Mtu::Mtu2048,
+        _ => Mtu::Mtu4096,
+    }
+}
+
+/// A memory region over part of an engine [`Region`]; holds the region alive.
+pub struct MemoryRegistration {
+    mr: Arc<MemoryRegion>,
+    region: Arc<Region>,
+    offset: u64,
+    len: u64,
+}
+
+impl std::fmt::Debug for MemoryRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegistration")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("rkey", &self.rkey())
+            .finish()
+    }
+}
+
+impl MemoryRegistration {
+    pub fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+    pub fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+    /// The address a peer names to reach the registration's first byte.
+    pub fn addr(&self) -> u64 {
+        self.mr.get_ptr() as u64
+    }
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The region's offset of the registration's first byte.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+}
+
+/// A type 2 memory window: an rkey over a sub-range of a registration, bound and invalidated
+/// through one queue pair (and only usable by that queue pair's peer).
+pub struct MemoryWindow {
+    mw: raw::Mw,
+    _device: Arc<Device>,
+}
+
+impl MemoryWindow {
+    pub fn rkey(&self) -> u32 {
+        self.mw.rkey()
+    }
+}
+
+/// One completed work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    pub wr_id: u64,
+    pub status: u32,
+    pub opcode: u32,
+    pub vendor_err: u32,
+}
+
+impl Completion {
+    pub fn ok(&self) -> bool {
+        self.status == 0
+    }
+    pub fn status_name(&self) -> &'static str {
+        status_name(self.status)
+    }
+}
+
+/// The verbs name of a work completion status.
+pub fn status_name(status: u32) -> &'static str {
+    const NAMES: [&str; 24] = [
+        "IBV_WC_SUCCESS",
+        "IBV_WC_LOC_LEN_ERR",
+        "IBV_WC_LOC_QP_OP_ERR",
+        "IBV_WC_LOC_EEC_OP_ERR",
+        "IBV_WC_LOC_PROT_ERR",
+        "IBV_WC_WR_FLUSH_ERR",
+        "IBV_WC_MW_BIND_ERR",
+        "IBV_WC_BAD_RESP_ERR",
+        "IBV_WC_LOC_ACCESS_ERR",
+        "IBV_WC_REM_INV_REQ_ERR",
+        "IBV_WC_REM_ACCESS_ERR",
+        "IBV_WC_REM_OP_ERR",
+        "IBV_WC_RETRY_EXC_ERR",
+        "IBV_WC_RNR_RETRY_EXC_ERR",
+        "IBV_WC_LOC_RDD_VIOL_ERR",
+        "IBV_WC_REM_INV_RD_REQ_ERR",
+        "IBV_WC_REM_ABORT_ERR",
+        "IBV_WC_INV_EECN_ERR",
+        "IBV_WC_INV_EEC_STATE_ERR",
+        "IBV_WC_FATAL_ERR",
+        "IBV_WC_RESP_TIMEOUT_ERR",
+        "IBV_WC_GENERAL_ERR",
+        "IBV_WC_TM_ERR",
+        "IBV_WC_TM_RNDV_INCOMPLETE",
+    ];
+    NAMES
+        .get(status as usize)
+        .copied()
+        .unwrap_or("IBV_WC_(unknown)")
+}
+
+/// The status codes the fence and failure handling look for.
+pub mod wc {
+    pub const SUCCESS: u32 = 0;
+    pub const WR_FLUSH_ERR: u32 = 5;
+    pub const MW_BIND_ERR: u32 = 6;
+    pub const REM_ACCESS_ERR: u32 = 10;
+    pub const RETRY_EXC_ERR: u32 = 12;
+}
+
+/// The engine's error for a failed work completion: the verbs status is always in the detail.
+pub fn completion_error(c: &Completion, what: &str) -> Error {
+    let kind = match c.status {
+        wc::REM_ACCESS_ERR => ErrorKind::AccessDenied,
+        wc::RETRY_EXC_ERR | 13 | 20 => ErrorKind::PeerDisconnected,
+        wc::WR_FLUSH_ERR => ErrorKind::Canceled,
+        _ => ErrorKind::Io,
+    };
+    Error::new(
+        kind,
+        format!(
+            "rdma: {what} failed with {} (status {}, vendor error {:#x})",
+            c.status_name(),
+            c.status,
+            c.vendor_err
+        ),
+    )
+}
+
+/// A completion queue with its completion channel: polled in a short spin, then parked on the
+/// channel's file descriptor so an idle waiter burns no CPU.
+pub struct CompletionQueue {
+    cq: Arc<BasicCompletionQueue>,
+    channel: Arc<CompletionChannel>,
+    device: Arc<Device>,
+    /// Events read from the channel and not yet acknowledged (a CQ with unacknowledged events
+    /// cannot be destroyed); acknowledged in batches and on drop.
+    unacked: AtomicU32,
+    /// How long `wait` spins before it parks.
+    spin: Duration,
+    lock: Mutex<()>,
+}
+
+impl CompletionQueue {
+    /// A CQ of `depth` entries whose waiters spin for `spin` before parking on the channel.
+    pub fn new(device: &Arc<Device>, depth: u32, spin: Duration) -> Result<Arc<Self>> {
+        let channel = device
+            .ctx
+            .create_comp_channel()
+            .map_err(|e| device.err(None, "create completion channel", chain(&e)))?;
+        channel
+            .set_nonblocking(true)
+            .map_err(|e| device.err(None, "make the completion channel non-blocking", e))?;
+        let mut b = device.ctx.create_cq_builder();
+        b.setup_cqe(depth.max(1)).setup_comp_channel(&channel, 0);
+        let cq = b
+            .build()
+            .map_err(|e| device.err(None, &format!("create a {depth}-entry CQ"), chain(&e)))?;
+        Ok(Arc::new(Self {
+            cq,
+            channel,
+            device: device.clone(),
+            unacked: AtomicU32::new(0),
+            spin,
+            lock: Mutex::new(()),
+        }))
+    }
+
+    /// Appends every completion ready now to `out`; returns how many.
+    pub fn poll(&self, out: &mut Vec<Completion>) -> usize {
+        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let before = out.len();
+        while raw::poll_cq(&self.cq, out) > 0 {}
+        out.len() - before
+    }
+
+    /// Polls until at least one completion arrives or `deadline` passes: a short spin, then
+    /// arm the channel and sleep on its fd. Returns how many completions were appended.
+    pub fn wait(&self, out: &mut Vec<Completion>, deadline: Instant) -> Result<usize> {
+        let spin_until = Instant::now() + self.spin;
+        loop {
+            let n = self.poll(out);
+            if n > 0 {
+                return Ok(n);
+            }
+            if Instant::now() >= spin_until {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            // Arm, then poll once more: a completion that landed between the last poll and the
+            // arming raises no event.
+            raw::req_notify_cq(&self.cq)
+                .map_err(|e| self.device.err(None, "arm the completion channel", e))?;
+            let n = self.poll(out);
+            if n > 0 {
+                return Ok(n);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(0);
+            }
+            let left = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+            let mut pfd = libc::pollfd {
+                fd: self.channel.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: pfd is one valid pollfd on the stack for the duration of the call.
+            let r = unsafe { libc::poll(&mut pfd, 1, left) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(self.device.err(None, "wait on the completion channel", e));
+                }
+            }
+            if r > 0 && raw::get_cq_event(&self.channel) {
+                let n = self.unacked.fetch_add(1, Ordering::AcqRel) + 1;
+                if n >= 64 {
+                    self.unacked.fetch_sub(n, Ordering::AcqRel);
+                    raw::ack_cq_events(&self.cq, n);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CompletionQueue {
+    fn drop(&mut self) {
+        let n = self.unacked.swap(0, Ordering::AcqRel);
+        if n > 0 {
+            raw::ack_cq_events(&self.cq, n);
+        }
+    }
+}
+
+/// How long a completion wait spins before it parks on the completion channel.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
+/// One one-sided operation for [`QueuePair::run`].
+#[derive(Debug, Clone)]
+pub struct RemoteOp {
+    pub write: bool,
+    pub local: Arc<MemoryRegistration>,
+    /// Offset within `local`.
+    pub local_offset: u64,
+    pub len: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+}
+
+/// A reliable-connected queue pair with its own completion queue.
+pub struct QueuePair {
+    qp: Mutex<BasicQueuePair>,
+    cq: Arc<CompletionQueue>,
+    device: Arc<Device>,
+    port: u8,
+    psn: u32,
+    /// Work requests posted and not yet completed never exceed this.
+    max_outstanding: u32,
+    next_wr: std::sync::atomic::AtomicU64,
+    /// Claimed by one [`Run`] (or bind / invalidate) at a time: completions are matched to
+    /// that caller's requests.
+    busy: AtomicBool,
+}
+
+impl std::fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("device", &self.device.name)
+            .field("port", &self.port)
+            .field("qpn", &self.qpn())
+            .finish()
+    }
+}
+
+impl QueuePair {
+    /// Creates an RC queue pair on `port` in RESET, with at most `max_outstanding` send work
+    /// requests in flight.
+    pub fn create(device: &Arc<Device>, port: u8, max_outstanding: u32) -> Result<Arc<Self>> {
+        Self::create_with_spin(device, port, max_outstanding, DEFAULT_SPIN)
+    }
+
+    /// [`create`](Self::create), with completion waits that spin for `spin` before parking.
+    pub fn create_with_spin(
+        device: &Arc<Device>,
+        port: u8,
+        max_outstanding: u32,
+        spin: Duration,
+    ) -> Result<Arc<Self>> {
+        let max_outstanding = max_outstanding.clamp(1, device.max_qp_wr);
+        let cq = CompletionQueue::new(device, max_outstanding * 2, spin)?;
+        let mut b = device.pd.create_qp_builder();
+        b.setup_qp_type(QueuePairType::ReliableConnection)
+            .setup_max_send_wr(max_outstanding)
+            .setup_max_recv_wr(1)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_send_cq(cq.cq.clone())
+            .setup_recv_cq(cq.cq.clone());
+        let qp = b
+            .build()
+            .map_err(|e| device.err(Some(port), "create RC queue pair", chain(&e)))?;
+        let mut psn = [0u8; 4];
+        getrandom::fill(&mut psn).map_err(|e| device.err(Some(port), "draw a PSN", e))?;
+        Ok(Arc::new(Self {
+            qp: Mutex::new(qp),
+            cq,
+            device: device.clone(),
+            port,
+            psn: u32::from_le_bytes(psn) & 0x00ff_ffff,
+            max_outstanding,
+            next_wr: std::sync::atomic::AtomicU64::new(1),
+            busy: AtomicBool::new(false),
+        }))
+    }
+
+    pub fn qpn(&self) -> u32 {
+        self.qp
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .qp_number()
+    }
+
+    pub fn state(&self) -> QueuePairState {
+        self.qp.lock().unwrap_or_else(|p| p.into_inner()).state()
+    }
+
+    /// The (local ACK timeout exponent, retry count, RNR retry count) the device holds for
+    /// this queue pair, as `ibv_query_qp` reports them.
+    pub fn retry_attributes(&self) -> Result<(u8, u8, u8)> {
+        use sideway::ibverbs::queue_pair::QueuePairAttributeMask as M;
+        let qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        let (a, _) = qp
+            .query(M::Timeout | M::RetryCount | M::ResponderNotReadyRetryCount)
+            .map_err(|e| {
+                self.device
+                    .err(Some(self.port), "query queue pair", chain(&e))
+            })?;
+        Ok((a.timeout(), a.retry_cnt(), a.rnr_retry()))
+    }
+
+    /// Whether the queue pair is in ERROR (after a failure or a timeout): reconnect to use the
+    /// peer again.
+    pub fn is_error(&self) -> bool {
+        self.state() == QueuePairState::Error
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    pub fn port(&self) -> u8 {
+        self.port
+    }
+
+    pub fn max_outstanding(&self) -> u32 {
+        self.max_outstanding
+    }
+
+    /// What the peer needs to connect to this queue pair.
+    pub fn endpoint(&self, gid_index: u32) -> Result<Endpoint> {
+        let info = self.device.port(self.port)?;
+        if !info.active {
+            return Err(self.device.err(
+                Some(self.port),
+                "check port state",
+                format!("port is {}, not active", info.state),
+            ));
+        }
+        Ok(Endpoint {
+            device: self.device.name.clone(),
+            port: self.port,
+            qpn: self.qpn(),
+            psn: self.psn,
+            gid: self.device.gid(self.port, gid_index)?,
+            gid_index: gid_index as u8,
+            mtu: info.mtu,
+        })
+    }
+
+    /// RESET -> INIT -> RTR -> RTS towards `remote`, sending from local GID `gid_index`. The
+    /// path MTU is the smaller of both ends'.
+    pub fn connect(&self, remote: &Endpoint, gid_index: u32) -> Result<()> {
+        remote.validate()?;
+        let local = self.endpoint(gid_index)?;
+        let mtu = local.mtu.min(remote.mtu);
+        debug_assert!(mtu_bytes_valid(mtu));
+        let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        let step = |s: &str, e: &dyn std::error::Error| {
+            self.device.err(
+                Some(self.port),
+                &format!(
+                    "queue pair {} {s} (peer {} qpn {} gid index {})",
+                    local.qpn, remote.device, remote.qpn, remote.gid_index
+                ),
+                chain(e),
+            )
+        };
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(self.port)
+            .setup_access_flags(
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+            );
+        qp.modify(&a).map_err(|e| step("RESET->INIT", &e))?;
+
+        let mut av = AddressHandleAttribute::new();
+        av.setup_port(self.port)
+            .setup_grh(&Gid { raw: remote.gid }, 0, gid_index as u8, 64, 0);
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(mtu_from_bytes(mtu))
+            .setup_dest_qp_num(remote.qpn)
+            .setup_rq_psn(remote.psn)
+            .setup_max_dest_read_atomic(self.device.max_qp_rd_atom)
+            .setup_min_rnr_timer(12)
+            .setup_address_vector(&av);
+        qp.modify(&a).map_err(|e| step("INIT->RTR", &e))?;
+
+        let mut a = QueuePairAttribute::new();
+        // timeout 14: 4.096 us * 2^14 = 67 ms per try; 7 retries: a dead peer fails in ~0.5 s.
+        a.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(self.psn)
+            .setup_timeout(14)
+            .setup_retry_cnt(7)
+            .setup_rnr_retry(7)
+            .setup_max_read_atomic(self.device.max_qp_rd_atom);
+        qp.modify(&a).map_err(|e| step("RTR->RTS", &e))?;
+        Ok(())
+    }
+
+    /// Moves the queue pair to ERROR: outstanding work requests complete as flushed, and the
+    /// device will neither read nor write any memory through it again.
+    pub fn set_error(&self) -> Result<()> {
+        let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::Error);
+        qp.modify(&a).map_err(|e| {
+            self.device.err(
+                Some(self.port),
+                &format!("queue pair {} ->ERROR", qp.qp_number()),
+                chain(&e),
+            )
+        })
+    }
+
+    fn wr_id(&self) -> u64 {
+        self.next_wr.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn post(&self, wr: raw::SendWr) -> Result<()> {
+        let qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        raw::post_send(&qp, wr).map_err(|e| {
+            self.device.err(
+                Some(self.port),
+                &format!("post {} on queue pair {}", wr.what(), qp.qp_number()),
+                e,
+            )
+        })
+    }
+
+    /// Runs `ops` with at most `max_outstanding` in flight and waits for all of them. On the
+    /// first failed completion, or when `deadline` passes, the queue pair is moved to ERROR
+    /// and drained (every posted request completed) before this returns: the device touches
+    /// none of `ops`' memory after that. The queue pair is then unusable (reconnect).
+    pub fn run(self: &Arc<Self>, ops: &[RemoteOp], deadline: Instant) -> Result<()> {
+        self.run_cancellable(ops, deadline, None)
+    }
+
+    /// [`run`](Self::run), also stopped (ERROR, drained, `Canceled`) once `cancel` is set;
+    /// checked at least every 20 ms.
+    pub fn run_cancellable(
+        self: &Arc<Self>,
+        ops: &[RemoteOp],
+        deadline: Instant,
+        cancel: Option<&AtomicBool>,
+    ) -> Result<()> {
+        self.start(ops.to_vec(), deadline)?
+            .pump(deadline, cancel)
+            .map(|_| ())
+    }
+
+    /// Claims the queue pair (waiting while another run holds it), checks `ops` and returns a
+    /// [`Run`] that posts and reaps them as it is pumped.
+    pub fn start(self: &Arc<Self>, ops: Vec<RemoteOp>, deadline: Instant) -> Result<Run> {
+        for op in &ops {
+            op.local
+                .region
+                .check(op.local.offset + op.local_offset, op.len as u64)?;
+            if op.local_offset + op.len as u64 > op.local.len {
+                return Err(Error::new(
+                    ErrorKind::OutOfBuffer,
+                    format!(
+                        "rdma: local offset {} + len {} exceeds the registration's {} bytes",
+                        op.local_offset, op.len, op.local.len
+                    ),
+                ));
+            }
+        }
+        self.claim();
+        Ok(Run {
+            qp: self.clone(),
+            first_id: self.next_wr.load(Ordering::Relaxed),
+            ops,
+            next: 0,
+            outstanding: 0,
+            failure: None,
+            deadline,
+            done: Vec::with_capacity(self.max_outstanding as usize),
+            finished: false,
+        })
+    }
+
+    fn claim(&self) {
+        while self
+            .busy
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+
+    fn release(&self) {
+        self.busy.store(false, Ordering::Release);
+    }
+
+    /// Moves to ERROR and waits until `outstanding` completions (flushed or not) arrived.
+    pub fn drain(&self, mut outstanding: u32) -> Result<()> {
+        self.set_error()?;
+        let mut done = Vec::new();
+        // Flushes are generated by the device at once; bound the wait anyway.
+        let until = Instant::now() + Duration::from_secs(10);
+        while outstanding > 0 {
+            done.clear();
+            let n = self.cq.wait(&mut done, until)?;
+            if n == 0 {
+                return Err(self.device.err(
+                    Some(self.port),
+                    "drain after ERROR",
+                    format!("{outstanding} work requests never completed"),
+                ));
+            }
+            outstanding = outstanding.saturating_sub(n as u32);
+        }
+        Ok(())
+    }
+
+    /// Posts one request and waits for its completion (bind / invalidate, used at grant and
+    /// revoke time).
+    fn post_and_wait(&self, wr: raw::SendWr, what: &str, deadline: Instant) -> Result<()> {
+        self.claim();
+        let r = self.post_and_wait_claimed(wr, what, deadline);
+        self.release();
+        r
+    }
+
+    fn post_and_wait_claimed(&self, wr: raw::SendWr, what: &str, deadline: Instant) -> Result<()> {
+        self.post(wr)?;
+        let mut done = Vec::new();
+        let n = self.cq.wait(&mut done, deadline)?;
+        if n == 0 {
+            self.drain(1)?;
+            return Err(Error::new(
+                ErrorKind::TimedOut,
+                format!("rdma: {what} did not complete by the deadline"),
+            ));
+        }
+        match done.iter().find(|c| !c.ok()) {
+            Some(c) => Err(completion_error(c, what)),
+            None => Ok(()),
+        }
+    }
+
+    /// Binds `mw` to `len` bytes of `mr` from `offset` (relative to the registration) with
+    /// remote `access`; returns the window's new rkey. Only this queue pair's peer can use it.
+    pub fn bind_window(
+        &self,
+        mw: &mut MemoryWindow,
+        mr: &MemoryRegistration,
+        offset: u64,
+        len: u64,
+        access: RemoteAccess,
+        deadline: Instant,
+    ) -> Result<u32> {
+        if offset.checked_add(len).is_none_or(|e| e > mr.len) || len == 0 {
+            return Err(Error::new(
+                ErrorKind::OutOfBuffer,
+                format!(
+                    "rdma: window {offset}+{len} outside the {}-byte registration",
+                    mr.len
+                ),
+            ));
+        }
+        let rkey = raw::next_rkey(mw.rkey());
+        let wr = raw::SendWr::Bind {
+            wr_id: self.wr_id(),
+            mw: &mw.mw,
+            rkey,
+            mr: &mr.mr,
+            addr: mr.addr() + offset,
+            len,
+            access: access.flags().bits() as u32,
+        };
+        self.post_and_wait(wr, "bind memory window", deadline)?;
+        mw.mw.set_rkey(rkey);
+        Ok(rkey)
+    }
+
+    /// Invalidates `rkey` (a window bound through this queue pair). Once this returns, no
+    /// access with that rkey can succeed.
+    pub fn invalidate(&self, rkey: u32, deadline: Instant) -> Result<()> {
+        let wr = raw::SendWr::LocalInv {
+            wr_id: self.wr_id(),
+            rkey,
+        };
+        self.post_and_wait(wr, "local invalidate", deadline)
+    }
+}
+
+/// One claimed run of one-sided operations on a queue pair: [`pump`](Run::pump) it until it
+/// finishes. It may be pumped on one thread for a while (a short inline spin) and finished on
+/// another. Dropped unfinished, it moves the queue pair to ERROR and drains it first.
+pub struct Run {
+    qp: Arc<QueuePair>,
+    ops: Vec<RemoteOp>,
+    next: usize,
+    outstanding: u32,
+    failure: Option<Error>,
+    first_id: u64,
+    deadline: Instant,
+    done: Vec<Completion>,
+    finished: bool,
+}
+
+impl std::fmt::Debug for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Run")
+            .field("ops", &self.ops.len())
+            .field("next", &self.next)
+            .field("outstanding", &self.outstanding)
+            .finish()
+    }
+}
+
+impl Run {
+    /// Posts what fits and reaps completions until every operation completed (`Ok(true)`),
+    /// `until` passed with work left (`Ok(false)`: pump again), or it failed: a failed
+    /// completion, the run's deadline, or `cancel` (then the queue pair is in ERROR and
+    /// drained before this returns).
+    pub fn pump(&mut self, until: Instant, cancel: Option<&AtomicBool>) -> Result<bool> {
+        if self.finished {
+            return Ok(true);
+        }
+        let r = self.pump_inner(until, cancel);
+        if r.is_err() && self.outstanding > 0 {
+            // an error before every posted request came back (a failed wait on the channel):
+            // the device must be done with the memory before anyone hears of the failure
+            let n = std::mem::take(&mut self.outstanding);
+            if let Err(e) = self.qp.drain(n) {
+                tracing::error!("rdma: {e}");
+            }
+        }
+        if !matches!(r, Ok(false)) {
+            self.finished = true;
+            self.qp.release();
+        }
+        r
+    }
+
+    fn pump_inner(&mut self, until: Instant, cancel: Option<&AtomicBool>) -> Result<bool> {
+        let qp = self.qp.clone();
+        loop {
+            while self.failure.is_none()
+                && self.next < self.ops.len()
+                && self.outstanding < qp.max_outstanding
+            {
+                let op = &self.ops[self.next];
+                let wr = raw::SendWr::Rdma {
+                    wr_id: qp.wr_id(),
+                    write: op.write,
+                    lkey: op.local.lkey(),
+                    addr: op.local.addr() + op.local_offset,
+                    len: op.len,
+                    remote_addr: op.remote_addr,
+                    rkey: op.rkey,
+                };
+                if let Err(e) = qp.post(wr) {
+                    self.failure = Some(e);
+                    let _ = qp.set_error();
+                    break;
+                }
+                self.next += 1;
+                self.outstanding += 1;
+            }
+            if self.outstanding == 0 {
+                return match self.failure.take() {
+                    Some(e) => Err(e),
+                    None => Ok(true),
+                };
+            }
+            self.done.clear();
+            let step = self
+                .deadline
+                .min(until)
+                .min(Instant::now() + Duration::from_millis(20));
+            let got = qp.cq.wait(&mut self.done, step)?;
+            if got == 0 {
+                let now = Instant::now();
+                let why = if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
+                    Some((ErrorKind::Canceled, "canceled"))
+                } else if now >= self.deadline {
+                    Some((ErrorKind::TimedOut, "not complete by the deadline"))
+                } else {
+                    None
+                };
+                if let Some((kind, what)) = why {
+                    // stop the device first, then collect every posted request
+                    let e = Error::new(
+                        kind,
+                        format!(
+                            "rdma: {} work requests on {} port {} queue pair {} {what}",
+                            self.outstanding,
+                            qp.device.name,
+                            qp.port,
+                            qp.qpn()
+                        ),
+                    );
+                    let n = std::mem::take(&mut self.outstanding);
+                    qp.drain(n)?;
+                    return Err(self.failure.take().unwrap_or(e));
+                }
+                if now >= until {
+                    return Ok(false);
+                }
+                continue;
+            }
+            for i in 0..self.done.len() {
+                let c = self.done[i];
+                self.outstanding = self.outstanding.saturating_sub(1);
+                if !c.ok() && self.failure.is_none() {
+                    let what = c
+                        .wr_id
+                        .checked_sub(self.first_id)
+                        .and_then(|i| self.ops.get(i as usize))
+                        .map(|o| {
+                            format!(
+                                "RDMA {} of {} bytes at {:#x} rkey {:#x}",
+                                if o.write { "WRITE" } else { "READ" },
+                                o.len,
+                                o.remote_addr,
+                                o.rkey
+                            )
+                        })
+                        .unwrap_or_else(|| "work request".into());
+                    self.failure = Some(completion_error(&c, &what));
+                    // ERROR now, so the rest flush instead of running
+                    let _ = qp.set_error();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if !self.finished {
+            if self.outstanding > 0 {
+                // the device must not touch these buffers once they may be reused
+                let _ = self.qp.drain(self.outstanding);
+            }
+            self.qp.release();
+        }
+    }
+}
+
+/// An error and its sources in one line.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// The raw verbs calls sideway does not wrap. All unsafe code of the rdma transport is here.
+mod raw {
+    use std::ptr::NonNull;
+    use std::sync::Arc;
+
+    use rdma_mummy_sys as sys;
+    use sideway::ibverbs::completion::{
+        BasicCompletionQueue, CompletionChannel, CompletionQueue as _,
+    };
+    use sideway::ibverbs::memory_region::MemoryRegion;
+    use sideway::ibverbs::protection_domain::ProtectionDomain;
+    use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair as _};
+
+    use super::Completion;
+
+    /// An allocated memory window; deallocated on drop. Holds its PD.
+    pub struct Mw {
+        mw: NonNull<sys::ibv_mw>,
+        _pd: Arc<ProtectionDomain>,
+    }
+
+    // SAFETY: an ibv_mw is a handle the verbs library lets any thread use; we only read its
+    // rkey field and pass it to verbs calls that serialise on the QP.
+    unsafe impl Send for Mw {}
+    // SAFETY: as for Send; mutation (set_rkey) takes &mut self.
+    unsafe impl Sync for Mw {}
+
+    impl Mw {
+        pub fn rkey(&self) -> u32 {
+            // SAFETY: mw points to a live ibv_mw (owned by self until drop).
+            unsafe { self.mw.as_ref().rkey }
+        }
+        /// Records the rkey a successful bind installed (the C API writes it back in
+        /// ibv_bind_mw; with ibv_post_send the caller does).
+        pub fn set_rkey(&mut self, rkey: u32) {
+            // SAFETY: as above; &mut self means no other reference reads it meanwhile.
+            unsafe { self.mw.as_mut().rkey = rkey }
+        }
+    }
+
+    impl Drop for Mw {
+        fn drop(&mut self) {
+            // SAFETY: allocated by ibv_alloc_mw and not freed before; the PD it belongs to is
+            // still alive (held in _pd).
+            unsafe { sys::ibv_dealloc_mw(self.mw.as_ptr()) };
+        }
+    }
+
+    pub fn alloc_mw(pd: &Arc<ProtectionDomain>) -> Result<Mw, std::io::Error> {
+        // SAFETY: pd() is a live ibv_pd (we hold the Arc); ibv_alloc_mw returns NULL and sets
+        // errno when the provider has no windows.
+        let mw = unsafe { sys::ibv_alloc_mw(pd.pd().as_ptr(), sys::ibv_mw_type::IBV_MW_TYPE_2) };
+        match NonNull::new(mw) {
+            Some(mw) => Ok(Mw {
+                mw,
+                _pd: pd.clone(),
+            }),
+            None => Err(std::io::Error::last_os_error()),
+        }
+    }
+
+    /// The rkey for the next bind: same index, the low 8 bits (the key) bumped, so a stale
+    /// rkey from an earlier binding never matches again.
+    pub fn next_rkey(rkey: u32) -> u32 {
+        (rkey & 0xffff_ff00) | ((rkey.wrapping_add(1)) & 0xff)
+    }
+
+    #[derive(Clone, Copy)]
+    pub enum SendWr<'a> {
+        Rdma {
+            wr_id: u64,
+            write: bool,
+            lkey: u32,
+            addr: u64,
+            len: u32,
+            remote_addr: u64,
+            rkey: u32,
+        },
+        Bind {
+            wr_id: u64,
+            mw: &'a Mw,
+            rkey: u32,
+            mr: &'a Arc<MemoryRegion>,
+            addr: u64,
+            len: u64,
+            access: u32,
+        },
+        LocalInv {
+            wr_id: u64,
+            rkey: u32,
+        },
+    }
+
+    impl SendWr<'_> {
+        pub fn what(&self) -> &'static str {
+            match self {
+                SendWr::Rdma { write: true, .. } => "RDMA WRITE",
+                SendWr::Rdma { write: false, .. } => "RDMA READ",
+                SendWr::Bind { .. } => "BIND_MW",
+                SendWr::LocalInv { .. } => "LOCAL_INV",
+            }
+        }
+    }
+
+    /// Posts one signaled send work request.
+    pub fn post_send(qp: &BasicQueuePair, wr: SendWr<'_>) -> Result<(), std::io::Error> {
+        // SAFETY: ibv_send_wr is a plain C struct for which all-zero is a valid (empty) value.
+        let mut w: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        let mut sge = sys::ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        w.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        match wr {
+            SendWr::Rdma {
+                wr_id,
+                write,
+                lkey,
+                addr,
+                len,
+                remote_addr,
+                rkey,
+            } => {
+                w.wr_id = wr_id;
+                w.opcode = if write {
+                    sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+                } else {
+                    sys::ibv_wr_opcode::IBV_WR_RDMA_READ
+                };
+                sge = sys::ibv_sge {
+                    addr,
+                    length: len,
+                    lkey,
+                };
+                w.num_sge = 1;
+                w.wr.rdma = sys::rdma_t { remote_addr, rkey };
+            }
+            SendWr::Bind {
+                wr_id,
+                mw,
+                rkey,
+                mr,
+                addr,
+                len,
+                access,
+            } => {
+                w.wr_id = wr_id;
+                w.opcode = sys::ibv_wr_opcode::IBV_WR_BIND_MW;
+                w.bind_mw_tso_union.bind_mw = sys::bind_mw_t {
+                    mw: mw.mw.as_ptr(),
+                    rkey,
+                    bind_info: sys::ibv_mw_bind_info {
+                        // SAFETY: mr() is the live ibv_mr the Arc keeps registered.
+                        mr: unsafe { mr.mr().as_ptr() },
+                        addr,
+                        length: len,
+                        mw_access_flags: access,
+                    },
+                };
+            }
+            SendWr::LocalInv { wr_id, rkey } => {
+                w.wr_id = wr_id;
+                w.opcode = sys::ibv_wr_opcode::IBV_WR_LOCAL_INV;
+                w.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
+            }
+        }
+        if w.num_sge == 1 {
+            w.sg_list = &mut sge;
+        }
+        let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: qp() is the live ibv_qp of `qp` (borrowed for the call); w and sge live on
+        // this stack frame for the call, and the provider copies the request into its queue
+        // before returning. The memory the request names is registered and held by the caller
+        // until its completion is reaped (QueuePair::run / post_and_wait).
+        let r = unsafe { sys::ibv_post_send(qp.qp().as_ptr(), &mut w, &mut bad) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::from_raw_os_error(r))
+        }
+    }
+
+    /// Polls up to 16 completions into `out`; returns how many.
+    pub fn poll_cq(cq: &BasicCompletionQueue, out: &mut Vec<Completion>) -> usize {
+        // SAFETY: ibv_wc is a plain C struct; all-zero is valid and the call overwrites it.
+        let mut wcs: [sys::ibv_wc; 16] = unsafe { std::mem::zeroed() };
+        // SAFETY: cq() is a live ibv_cq (borrowed); wcs has room for the 16 entries asked for.
+        let n = unsafe { sys::ibv_poll_cq(cq.cq().as_ptr(), 16, wcs.as_mut_ptr()) };
+        if n <= 0 {
+            return 0;
+        }
+        for wc in &wcs[..n as usize] {
+            out.push(Completion {
+                wr_id: wc.wr_id,
+                status: wc.status,
+                opcode: wc.opcode,
+                vendor_err: wc.vendor_err,
+            });
+        }
+        n as usize
+    }
+
+    pub fn req_notify_cq(cq: &BasicCompletionQueue) -> Result<(), std::io::Error> {
+        // SAFETY: cq() is a live ibv_cq with a completion channel.
+        let r = unsafe { sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::from_raw_os_error(r))
+        }
+    }
+
+    /// Reads one event from the (non-blocking) channel; false when there was none.
+    pub fn get_cq_event(ch: &CompletionChannel) -> bool {
+        let mut cq: *mut sys::ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: comp_channel() is the live channel (borrowed); the out pointers are locals.
+        unsafe { sys::ibv_get_cq_event(ch.comp_channel().as_ptr(), &mut cq, &mut ctx) == 0 }
+    }
+
+    pub fn ack_cq_events(cq: &BasicCompletionQueue, n: u32) {
+        // SAFETY: cq() is a live ibv_cq; n events were read from its channel and not acked.
+        unsafe { sys::ibv_ack_cq_events(cq.cq().as_ptr(), n) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_names_are_the_verbs_names() {
+        assert_eq!(status_name(wc::REM_ACCESS_ERR), "IBV_WC_REM_ACCESS_ERR");
+        assert_eq!(status_name(wc::WR_FLUSH_ERR), "IBV_WC_WR_FLUSH_ERR");
+        assert_eq!(status_name(wc::RETRY_EXC_ERR), "IBV_WC_RETRY_EXC_ERR");
+        assert_eq!(status_name(99), "IBV_WC_(unknown)");
+        let e = completion_error(
+            &Completion {
+                wr_id: 1,
+                status: wc::REM_ACCESS_ERR,
+                opcode: 0,
+                vendor_err: 0,
+            },
+            "RDMA WRITE",
+        );
+        assert_eq!(e.kind(), ErrorKind::AccessDenied);
+        assert!(
+            e.detail().contains("IBV_WC_REM_ACCESS_ERR"),
+            "{}",
+            e.detail()
+        );
+    }
+
+    #[test]
+    fn next_rkey_keeps_the_index_and_changes_the_key() {
+        assert_eq!(raw::next_rkey(0x1234_56ff), 0x1234_5600);
+        assert_eq!(raw::next_rkey(0x1234_5601), 0x1234_5602);
+    }
+}
