@@ -9,13 +9,25 @@ cd "$(dirname "$0")/.."
 meta="${1:-http}"
 work="$(mktemp -d "${TMPDIR:-/tmp}/omnirig-hil-netns.XXXXXX")"
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+# The kernel tears a deleted namespace's veth ends down asynchronously, so a run right after
+# another can meet them: delete the host ends explicitly and wait until they are gone.
+remove_links() {
+  for n in a b; do ip link del "omnihil-h$n" 2>/dev/null || true; done
   for n in a b; do ip netns del "omnihil-$n" 2>/dev/null || true; done
   ip link del br-omnihil 2>/dev/null || true
+  for _ in $(seq 50); do
+    ip link show br-omnihil >/dev/null 2>&1 || ip link show omnihil-ha >/dev/null 2>&1 \
+      || ip link show omnihil-hb >/dev/null 2>&1 || return 0
+    sleep 0.1
+  done
+}
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  remove_links
   rm -rf "$work"
 }
 trap cleanup EXIT
+remove_links
 
 ip link add br-omnihil type bridge
 ip addr add 10.78.0.1/24 dev br-omnihil
