@@ -805,23 +805,10 @@ impl StageWorker {
                         }
                     }
                     ConsumerAction::Send(msg) => {
-                        let reserve = matches!(msg, Msg::StageReserve { .. });
-                        if reserve {
-                            link.send(msg)?;
-                        } else {
-                            let _ = link.send(msg);
-                        }
-                        // A revoked grant: revoked at once, before the producer can use it.
-                        if reserve && fault == Some(HarnessFault::GrantRevoked) {
-                            for g in &held.grants {
-                                engine.revoke(g);
-                            }
-                        }
+                        consumer_send(link, engine, msg, fault, &held.grants)?
                     }
                     ConsumerAction::Revoke(grants) => {
-                        for g in &grants {
-                            engine.revoke(g);
-                        }
+                        revoke_all(engine, &grants);
                         m.fenced(Instant::now());
                     }
                     ConsumerAction::Verify {
@@ -951,23 +938,10 @@ impl StageWorker {
                         }
                     }
                     KvConsumerAction::Send(msg) => {
-                        let reserve = matches!(msg, Msg::KvReserve { .. });
-                        if reserve {
-                            link.send(msg)?;
-                        } else {
-                            let _ = link.send(msg);
-                        }
-                        // A revoked grant: revoked at once, before prefill can use it.
-                        if reserve && fault == Some(HarnessFault::GrantRevoked) {
-                            for g in &held.grants {
-                                engine.revoke(g);
-                            }
-                        }
+                        consumer_send(link, engine, msg, fault, &held.grants)?
                     }
                     KvConsumerAction::Revoke(grants) => {
-                        for g in &grants {
-                            engine.revoke(g);
-                        }
+                        revoke_all(engine, &grants);
                         m.fenced(Instant::now());
                     }
                     KvConsumerAction::Verify => {
@@ -1116,17 +1090,10 @@ impl StageWorker {
                             Err(e) => m.reserve_failed(vec![], e),
                         }
                     }
-                    EcConsumerAction::Send(msg) => {
-                        if matches!(msg, Msg::EcReserve { .. }) {
-                            link.send(msg)?;
-                        } else {
-                            let _ = link.send(msg);
-                        }
-                    }
+                    // EC's grant faults strike where its grants are made, not here.
+                    EcConsumerAction::Send(msg) => consumer_send(link, engine, msg, None, &[])?,
                     EcConsumerAction::Revoke(grants) => {
-                        for g in &grants {
-                            engine.revoke(g);
-                        }
+                        revoke_all(engine, &grants);
                         m.fenced(Instant::now());
                     }
                     EcConsumerAction::Verify {
@@ -1755,6 +1722,39 @@ impl StageWorker {
 }
 
 /// The sidecar a faulty producer sends instead of the real one.
+/// Sends a consumer connector's message. A reservation must reach the producer (a failed
+/// send fails the handoff); any other message answers a producer that may be gone, so it is
+/// best effort. With the `grant_revoked` fault, the reservation's `grants` are revoked right
+/// after it is sent, before the producer can use them.
+fn consumer_send(
+    link: &Link,
+    engine: &Engine,
+    msg: Msg,
+    fault: Option<HarnessFault>,
+    grants: &[Grant],
+) -> Result<()> {
+    let reserve = matches!(
+        msg,
+        Msg::StageReserve { .. } | Msg::KvReserve { .. } | Msg::EcReserve { .. }
+    );
+    if !reserve {
+        let _ = link.send(msg);
+        return Ok(());
+    }
+    link.send(msg)?;
+    if fault == Some(HarnessFault::GrantRevoked) {
+        revoke_all(engine, grants);
+    }
+    Ok(())
+}
+
+/// Revokes (fences) every grant of a handoff.
+fn revoke_all(engine: &Engine, grants: &[Grant]) {
+    for g in grants {
+        engine.revoke(g);
+    }
+}
+
 fn faulty_sidecar(fault: HarnessFault, mut packet: Packet) -> Vec<u8> {
     let encode = |p: &Packet| rmp_serde::to_vec_named(p).expect("a packet always encodes");
     match fault {
