@@ -5,7 +5,12 @@
 //! on the nodes of the cluster file `OMNIRIG_CLUSTER` names, plus the default scenario
 //! (repeats, prefix hits, concurrency). Without `OMNIRIG_CLUSTER` it prints SKIPPED and what
 //! to set; with `OMNIRIG_HIL_REQUIRED=1` (CI lanes that have a cluster) that is a failure.
-//! `OMNIRIG_HIL_TRANSPORT` picks the hops' transport (default tcp).
+//! The hops run over rdma between the nodes (each stage on its node's `rdma` device, port and
+//! GID index) when every node has an `rdma` section, else over tcp; `OMNIRIG_HIL_TRANSPORT`
+//! overrides. `faults_on_the_cluster` runs the fault cases that apply to real links on the same
+//! cluster: a stage process killed mid-run on its node, and a hop deadline too short for the
+//! link; each run ends, fails exactly what it should with an error naming it, and leaves every
+//! pool clean.
 //!
 //! `a_node_that_dies_mid_run_fails_its_requests_naming_it` needs no cluster: it starts two
 //! agents on 127.0.0.1, each in its own process group (a "node"), and kills one mid-run.
@@ -41,25 +46,42 @@ fn assert_clean_pass(r: &Report, what: &str) {
     assert_eq!(r.mode, "cluster");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn golden_cases_on_the_cluster() {
+/// The cluster `OMNIRIG_CLUSTER` names and the hops' transport, or None (after saying
+/// SKIPPED, or failing under `OMNIRIG_HIL_REQUIRED=1`) without one.
+fn cluster_under_test(test: &str) -> Option<(Cluster, TransportKind)> {
     let Some(path) = std::env::var_os("OMNIRIG_CLUSTER") else {
-        let msg = "SKIPPED golden_cases_on_the_cluster: set OMNIRIG_CLUSTER=path/to/cluster.yaml \
-                   (see hil/cluster.example.yaml and the README's HIL section) to run the \
-                   loopback case list on a cluster's nodes; nothing was run, nothing passed";
+        let msg = format!(
+            "SKIPPED {test}: set OMNIRIG_CLUSTER=path/to/cluster.yaml (see \
+             hil/cluster.example.yaml and the README's HIL section) to run it on a cluster's \
+             nodes; nothing was run, nothing passed"
+        );
         if std::env::var("OMNIRIG_HIL_REQUIRED").as_deref() == Ok("1") {
             panic!("OMNIRIG_HIL_REQUIRED=1: {msg}");
         }
         // Straight to stderr, past the test harness's capture: a skip must be seen.
         use std::io::Write;
         let _ = writeln!(std::io::stderr(), "{msg}");
-        return;
+        return None;
     };
     let cluster = Cluster::from_path(&PathBuf::from(path)).unwrap();
-    let transport: TransportKind = std::env::var("OMNIRIG_HIL_TRANSPORT")
-        .unwrap_or_else(|_| "tcp".into())
-        .parse()
-        .expect("OMNIRIG_HIL_TRANSPORT names a transport");
+    let transport = match std::env::var("OMNIRIG_HIL_TRANSPORT") {
+        Ok(t) => t.parse().expect("OMNIRIG_HIL_TRANSPORT names a transport"),
+        Err(_) if cluster.nodes.iter().all(|n| n.rdma.is_some()) => TransportKind::Rdma,
+        Err(_) => TransportKind::Tcp,
+    };
+    println!(
+        "{test}: cluster {} ({} nodes), hops over {transport}",
+        cluster.name,
+        cluster.nodes.len()
+    );
+    Some((cluster, transport))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn golden_cases_on_the_cluster() {
+    let Some((cluster, transport)) = cluster_under_test("golden_cases_on_the_cluster") else {
+        return;
+    };
     let _agents = start_agents(&cluster, EXE, Duration::from_secs(60))
         .await
         .unwrap();
@@ -89,6 +111,130 @@ async fn golden_cases_on_the_cluster() {
         .await
         .unwrap();
     assert_clean_pass(&r, "default scenario");
+}
+
+/// The fault cases that apply to real links, on the cluster: a stage process SIGKILLed on
+/// its node mid-run (its queue pairs and sockets die with it), and a hop deadline far below
+/// what the link can do. Scripted in-process faults (bad sidecars, forged grants) are the
+/// fault matrix's (`cargo test faults`), run on every transport there; they test the
+/// connectors, not the link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_on_the_cluster() {
+    let Some((cluster, transport)) = cluster_under_test("faults_on_the_cluster") else {
+        return;
+    };
+    let _agents = start_agents(&cluster, EXE, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let launcher = Arc::new(ClusterLauncher::new(cluster.clone()).unwrap());
+    let talker_node = cluster
+        .node_of(omnirig_fixtures::Stage::Talker)
+        .name
+        .clone();
+
+    // The talker's process dies on its node while requests are in flight.
+    let mut s = Scenario::from_yaml(
+        "name: killed-on-node\nconcurrency: 2\nhop_timeout_s: 20\nrequest_timeout_s: 60\n\
+         requests:\n  - case: text_short\n    repeat: 40\n",
+        "killed-on-node",
+    )
+    .unwrap()
+    .with_transport(transport);
+    s.kill_stage = Some(omnirig_harness::scenario::KillStage {
+        stage: "talker".into(),
+        after_ms: 4000,
+    });
+    let t = std::time::Instant::now();
+    let r = Runner::new(s)
+        .cluster(launcher.clone())
+        .run()
+        .await
+        .unwrap();
+    println!(
+        "killed talker: {} in {:?}",
+        r.summary_text().lines().next().unwrap_or(""),
+        t.elapsed()
+    );
+    assert_eq!(r.requests.len(), 40);
+    assert!(
+        r.summary.failed > 0,
+        "nothing failed although the talker was killed"
+    );
+    for q in r.requests.iter().filter(|q| !q.ok) {
+        let e = q.error.as_deref().unwrap_or_default();
+        assert!(
+            [
+                "closed",
+                "disconnected",
+                "process",
+                "gone",
+                "timed out",
+                "talker"
+            ]
+            .iter()
+            .any(|w| e.contains(w)),
+            "{}: {e}",
+            q.id
+        );
+    }
+    for q in r.requests.iter().filter(|q| q.ok) {
+        assert!(
+            q.hops.iter().all(|h| h.verified),
+            "{}: passed unverified",
+            q.id
+        );
+    }
+    for st in &r.stages {
+        if st.stage == "talker" {
+            let how = st.exited.as_deref().unwrap_or_default();
+            assert!(
+                how.contains(&talker_node),
+                "talker's end names its node: {st:?}"
+            );
+        } else {
+            assert!(st.is_clean(), "{} leaked: {st:?}", st.stage);
+        }
+    }
+
+    // A hop deadline no link meets: requests fail as timed out (or pass, bit-exact), the run
+    // ends promptly, and nothing is left registered or granted.
+    let mut s = Scenario::golden("image_audio", transport);
+    s.concurrency = 2;
+    s.requests[0].repeat = 6;
+    s.hop_timeout_s = 1e-4;
+    let t = std::time::Instant::now();
+    let r = Runner::new(s).cluster(launcher).run().await.unwrap();
+    println!(
+        "tiny hop deadline: {} in {:?}",
+        r.summary_text().lines().next().unwrap_or(""),
+        t.elapsed()
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(120),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(r.summary.failed > 0, "a 0.1 ms hop deadline failed nothing");
+    for q in &r.requests {
+        if q.ok {
+            assert!(q.hops.iter().all(|h| h.verified), "{}", q.id);
+        } else {
+            // Classified, and a timeout: the engine's deadline (timed_out), or the control
+            // channel's wait for the hop's message, which the harness files as `other`.
+            let f = q
+                .failure
+                .as_ref()
+                .unwrap_or_else(|| panic!("{}: unclassified {:?}", q.id, q.error));
+            let e = q.error.as_deref().unwrap_or_default();
+            assert!(
+                f.kind.as_str() == "timed_out" || e.contains("within"),
+                "{}: {} {e}",
+                q.id,
+                f.kind.as_str()
+            );
+        }
+    }
+    assert!(r.summary.pools_clean, "{}", r.summary_text());
 }
 
 /// A "node": an agent in its own process group, so killing the group kills the agent and

@@ -141,6 +141,11 @@ pub trait StageLauncher: Send + Sync {
     fn metadata(&self) -> Option<String> {
         None
     }
+    /// The RDMA device `stage`'s engines use (a cluster node's `rdma` section); None: the
+    /// rdma transport's defaults (the first device, the first RoCEv2 IPv4 GID).
+    fn rdma(&self, _stage: Stage) -> Option<StageRdma> {
+        None
+    }
     /// Starts `omnirig stage ARGS` for `stage` with `env` added to its environment.
     fn launch<'a>(
         &'a self,
@@ -148,6 +153,17 @@ pub trait StageLauncher: Send + Sync {
         args: Vec<String>,
         env: Vec<(String, String)>,
     ) -> BoxFuture<'a, Result<Box<dyn StageChild>>>;
+}
+
+/// The RDMA device, port and GID index a stage's rdma engines use (`omnirig stage
+/// --rdma-device D --rdma-port P --rdma-gid-index G`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageRdma {
+    pub device: String,
+    /// 1-based.
+    pub port: u8,
+    /// None: the first RoCEv2 IPv4 GID (the first GID on InfiniBand).
+    pub gid_index: Option<u32>,
 }
 
 type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
@@ -344,6 +360,17 @@ impl Remote {
             let mut args = args;
             if let Some(spec) = launcher.metadata() {
                 args.extend(["--metadata".into(), spec]);
+            }
+            if let Some(r) = launcher.rdma(stage) {
+                args.extend([
+                    "--rdma-device".into(),
+                    r.device,
+                    "--rdma-port".into(),
+                    r.port.to_string(),
+                ]);
+                if let Some(g) = r.gid_index {
+                    args.extend(["--rdma-gid-index".into(), g.to_string()]);
+                }
             }
             let env = vec![(RUN_SECRET_ENV.to_owned(), secret.clone())];
             children.push(launcher.launch(stage, args, env).await?);
@@ -593,7 +620,8 @@ pub fn process_transport(scenario_transport: TransportKind) -> TransportKind {
 }
 
 /// The body of `omnirig stage`: one stage as its own process. `in_transport` and
-/// `out_transport` are its inbound and outbound hops' transports (kinds that cross processes).
+/// `out_transport` are its inbound and outbound hops' transports (kinds that cross processes);
+/// `rdma` the device its rdma engines use (None: the transport's defaults).
 pub async fn run_stage_process(
     stage: Stage,
     orchestrator: SocketAddr,
@@ -601,6 +629,7 @@ pub async fn run_stage_process(
     out_transport: TransportKind,
     bind: std::net::IpAddr,
     metadata: Option<&str>,
+    rdma: Option<StageRdma>,
 ) -> Result<()> {
     for t in [in_transport, out_transport] {
         if !t.crosses_processes() {
@@ -635,16 +664,27 @@ pub async fn run_stage_process(
         None => InProcessStore::new(),
     };
     let engine = |side: &str, transport: TransportKind| {
-        let c = EngineConfig::for_kind(name(stage, side), transport).store(store.clone());
+        let mut c = EngineConfig::for_kind(name(stage, side), transport).store(store.clone());
         // Peers on other nodes reach the engine on the node's address, not on 127.0.0.1.
-        if bind.is_loopback() {
-            c
-        } else {
-            c.with(omnirig_transports::TcpConfig {
+        if !bind.is_loopback() {
+            c = c.with(omnirig_transports::TcpConfig {
                 listen: Some(SocketAddr::new(bind, 0)),
                 ..Default::default()
-            })
+            });
         }
+        // The rdma control server (queue pair setup, key lookups) listens there too, and the
+        // node's device, port and GID index come from the cluster file.
+        if transport == TransportKind::Rdma && (rdma.is_some() || !bind.is_loopback()) {
+            let defaults = omnirig_transports::RdmaConfig::default();
+            c = c.with(omnirig_transports::RdmaConfig {
+                device: rdma.as_ref().map(|r| r.device.clone()),
+                port: rdma.as_ref().map_or(defaults.port, |r| r.port),
+                gid_index: rdma.as_ref().and_then(|r| r.gid_index),
+                listen: SocketAddr::new(bind, 0),
+                ..defaults
+            });
+        }
+        c
     };
     let engine_in = match inbound_kind(stage) {
         Some(_) => Some(Arc::new(Engine::new(engine("in", in_transport)).await?)),

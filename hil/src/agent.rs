@@ -34,6 +34,10 @@ pub const MAX_FRAME: usize = 64 << 10;
 pub const MAX_REPLY: usize = 8 << 20;
 /// Most arguments a start request may carry.
 const MAX_ARGS: usize = 64;
+/// Most engine log lines an agent keeps (the newest).
+const MAX_ENGINE_LOG: usize = 256;
+/// Longest engine log line kept (characters).
+const MAX_LOG_LINE: usize = 1000;
 /// The only variables a coordinator may set in a stage's environment.
 const ALLOWED_ENV: [&str; 2] = [omnirig_harness::process::RUN_SECRET_ENV, "RUST_LOG"];
 
@@ -47,6 +51,16 @@ pub enum ToAgent {
     Kill,
     /// This node's facts for the evidence report (`omnirig evidence`).
     Facts,
+    /// The rdma transport's log lines (device, port, GID selection) its stage processes
+    /// printed since the agent started or was last cleared; `clear` empties the buffer after.
+    EngineLog {
+        clear: bool,
+    },
+    /// One side of a perftest baseline (`ib_write_bw` / `ib_write_lat`), its command line
+    /// built by the agent from these validated fields (no free-form arguments).
+    Perftest {
+        request: crate::evidence::PerftestRequest,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -56,6 +70,8 @@ pub enum FromAgent {
     Exited { status: String },
     Refused { reason: String },
     Facts { facts: crate::evidence::HostFacts },
+    EngineLog { lines: Vec<String> },
+    Perftest { probe: crate::evidence::Probe },
 }
 
 fn preface(secret: &str) -> Vec<u8> {
@@ -116,12 +132,57 @@ async fn read_bounded<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(
 pub struct Agent {
     pub exe: PathBuf,
     pub secret: String,
+    /// The rdma transport's lines from this agent's stage processes' stderr (the evidence
+    /// that a run used the device the cluster file names).
+    engine_log: std::sync::Mutex<std::collections::VecDeque<String>>,
+}
+
+/// `line` without ANSI colour sequences (ESC `[` ... final letter).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' && chars.peek() == Some(&'[') {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 impl Agent {
     pub fn new(exe: PathBuf, secret: String) -> Result<Self> {
         check_secret(&secret, "the agent's configuration")?;
-        Ok(Self { exe, secret })
+        Ok(Self {
+            exe,
+            secret,
+            engine_log: Default::default(),
+        })
+    }
+
+    /// Forwards a stage's stderr to the agent's own, keeping the rdma transport's lines.
+    fn relay_stderr(self: &Arc<Self>, stderr: tokio::process::ChildStderr) {
+        use tokio::io::AsyncBufReadExt;
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                let plain = strip_ansi(&line);
+                if plain.contains("rdma:") {
+                    let mut log = me.engine_log.lock().unwrap_or_else(|p| p.into_inner());
+                    if log.len() == MAX_ENGINE_LOG {
+                        log.pop_front();
+                    }
+                    log.push_back(plain.chars().take(MAX_LOG_LINE).collect());
+                }
+            }
+        });
     }
 
     /// Serves until the process ends.
@@ -131,14 +192,14 @@ impl Agent {
             let (s, from) = listener.accept().await?;
             let me = self.clone();
             tokio::spawn(async move {
-                if let Err(e) = me.serve_one(s, from).await {
+                if let Err(e) = me.clone().serve_one(s, from).await {
                     warn!(%from, error = %e, "agent connection ended with an error");
                 }
             });
         }
     }
 
-    async fn serve_one(&self, mut s: TcpStream, from: SocketAddr) -> Result<()> {
+    async fn serve_one(self: Arc<Self>, mut s: TcpStream, from: SocketAddr) -> Result<()> {
         let mut got = [0u8; PREFACE_LEN];
         let read = tokio::time::timeout(PREFACE_TIMEOUT, async {
             let mut n = 0;
@@ -170,6 +231,23 @@ impl Agent {
                 write_frame(&mut w, &FromAgent::Facts { facts }).await?;
                 return Ok(());
             }
+            ToAgent::EngineLog { clear } => {
+                let lines = {
+                    let mut log = self.engine_log.lock().unwrap_or_else(|p| p.into_inner());
+                    let lines = log.iter().cloned().collect();
+                    if clear {
+                        log.clear();
+                    }
+                    lines
+                };
+                write_frame(&mut w, &FromAgent::EngineLog { lines }).await?;
+                return Ok(());
+            }
+            ToAgent::Perftest { request } => {
+                let probe = crate::evidence::perftest(&request).await;
+                write_frame(&mut w, &FromAgent::Perftest { probe }).await?;
+                return Ok(());
+            }
         };
         if let Err(reason) = check_start(&args, &env) {
             let _ = write_frame(
@@ -187,10 +265,16 @@ impl Agent {
             .envs(env)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
         {
-            Ok(c) => c,
+            Ok(mut c) => {
+                if let Some(e) = c.stderr.take() {
+                    self.relay_stderr(e);
+                }
+                c
+            }
             Err(e) => {
                 let reason = format!("starting {}: {e}", self.exe.display());
                 let _ = write_frame(
@@ -248,6 +332,77 @@ pub async fn collect_facts(
     addr: SocketAddr,
     secret: &str,
 ) -> Result<crate::evidence::HostFacts> {
+    match ask(
+        node,
+        addr,
+        secret,
+        &ToAgent::Facts,
+        Duration::from_secs(120),
+    )
+    .await?
+    {
+        FromAgent::Facts { facts } => Ok(facts),
+        other => Err(unexpected(node, addr, "facts", other)),
+    }
+}
+
+/// The rdma transport's lines the stage processes of `node` logged (see
+/// [`ToAgent::EngineLog`]).
+pub async fn engine_log(
+    node: &str,
+    addr: SocketAddr,
+    secret: &str,
+    clear: bool,
+) -> Result<Vec<String>> {
+    match ask(
+        node,
+        addr,
+        secret,
+        &ToAgent::EngineLog { clear },
+        Duration::from_secs(10),
+    )
+    .await?
+    {
+        FromAgent::EngineLog { lines } => Ok(lines),
+        other => Err(unexpected(node, addr, "engine log", other)),
+    }
+}
+
+/// Runs one side of a perftest baseline on `node` (the server side returns once its client
+/// finished, or the agent's time limit passed).
+pub async fn perftest(
+    node: &str,
+    addr: SocketAddr,
+    secret: &str,
+    request: crate::evidence::PerftestRequest,
+) -> Result<crate::evidence::Probe> {
+    let limit = crate::evidence::PERFTEST_TIMEOUT + Duration::from_secs(10);
+    match ask(node, addr, secret, &ToAgent::Perftest { request }, limit).await? {
+        FromAgent::Perftest { probe } => Ok(probe),
+        other => Err(unexpected(node, addr, "perftest", other)),
+    }
+}
+
+fn unexpected(node: &str, addr: SocketAddr, want: &str, got: FromAgent) -> HilError {
+    let got = match got {
+        FromAgent::Refused { reason } => format!("refused: {reason}"),
+        other => format!("{other:?}").chars().take(200).collect(),
+    };
+    HilError::Agent {
+        node: node.into(),
+        addr: addr.to_string(),
+        reason: format!("expected {want}, got {got}"),
+    }
+}
+
+/// One request, one reply, on a connection of its own.
+async fn ask(
+    node: &str,
+    addr: SocketAddr,
+    secret: &str,
+    msg: &ToAgent,
+    limit: Duration,
+) -> Result<FromAgent> {
     let fail = |reason: String| HilError::Agent {
         node: node.into(),
         addr: addr.to_string(),
@@ -264,16 +419,15 @@ pub async fn collect_facts(
     s.write_all(&preface(secret))
         .await
         .map_err(|e| fail(e.to_string()))?;
-    write_frame(&mut s, &ToAgent::Facts).await.map_err(|e| {
+    write_frame(&mut s, msg).await.map_err(|e| {
         fail(format!(
             "the agent dropped the connection (wrong secret?): {e}"
         ))
     })?;
-    match tokio::time::timeout(Duration::from_secs(120), read_reply(&mut s)).await {
-        Ok(Ok(FromAgent::Facts { facts })) => Ok(facts),
-        Ok(Ok(other)) => Err(fail(format!("expected facts, got {other:?}"))),
-        Ok(Err(e)) => Err(fail(format!("no facts (wrong secret?): {e}"))),
-        Err(_) => Err(fail("no facts within 120 s".into())),
+    match tokio::time::timeout(limit, read_reply(&mut s)).await {
+        Ok(Ok(reply)) => Ok(reply),
+        Ok(Err(e)) => Err(fail(format!("no answer (wrong secret?): {e}"))),
+        Err(_) => Err(fail(format!("no answer within {limit:?}"))),
     }
 }
 

@@ -143,9 +143,10 @@ pub struct Rdma {
     /// The port on it (1-based).
     #[serde(default = "default_port")]
     pub port: u8,
-    /// The GID table index (`show_gids`; RoCE v2 usually 1 or 3).
+    /// The GID table index (`show_gids`; RoCE v2 usually 1 or 3). Absent: the first RoCEv2
+    /// IPv4 GID (the first GID on InfiniBand), which the engine logs when it opens the device.
     #[serde(default)]
-    pub gid_index: u8,
+    pub gid_index: Option<u8>,
 }
 
 fn default_port() -> u8 {
@@ -318,7 +319,10 @@ mod tests {
         assert_eq!(c.nodes.len(), 2);
         assert_eq!(c.node_of(Stage::Talker).name, "node-b");
         let r = c.nodes[0].rdma.as_ref().unwrap();
-        assert_eq!((r.device.as_str(), r.port, r.gid_index), ("mlx5_0", 1, 3));
+        assert_eq!(
+            (r.device.as_str(), r.port, r.gid_index),
+            ("mlx5_0", 1, Some(3))
+        );
         assert!(matches!(c.metadata, MetadataConfig::Etcd { ttl_s: 10, .. }));
     }
 

@@ -3,10 +3,13 @@
 use std::net::{IpAddr, SocketAddr};
 
 use omnirig_fixtures::Stage;
-use omnirig_harness::process::{StageChild, StageLauncher};
+use omnirig_harness::process::{StageChild, StageLauncher, StageRdma};
 
 use crate::agent::AgentChild;
 use crate::cluster::Cluster;
+
+/// The rdma transport's tracing target (its selection lines are logged there).
+const RDMA_LOG_TARGET: &str = "omnirig_transports::transport::rdma";
 
 /// [`StageLauncher`] over a cluster's agents.
 pub struct ClusterLauncher {
@@ -42,6 +45,18 @@ impl StageLauncher for ClusterLauncher {
         self.cluster.metadata.spec()
     }
 
+    fn rdma(&self, stage: Stage) -> Option<StageRdma> {
+        self.cluster
+            .node_of(stage)
+            .rdma
+            .as_ref()
+            .map(|r| StageRdma {
+                device: r.device.clone(),
+                port: r.port,
+                gid_index: r.gid_index.map(u32::from),
+            })
+    }
+
     fn launch<'a>(
         &'a self,
         stage: Stage,
@@ -55,6 +70,13 @@ impl StageLauncher for ClusterLauncher {
         >,
     > {
         Box::pin(async move {
+            let mut env = env;
+            // The rdma transport logs the device, port and GID it selected at info: the
+            // agent keeps those lines for the evidence report.
+            if !env.iter().any(|(k, _)| k == "RUST_LOG") {
+                let base = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+                env.push(("RUST_LOG".into(), format!("{base},{RDMA_LOG_TARGET}=info")));
+            }
             let node = self.cluster.node_of(stage);
             let addr = SocketAddr::new(node.host, node.agent_port);
             let child = AgentChild::start(&node.name, addr, &self.secret, args, env)

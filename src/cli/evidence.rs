@@ -8,9 +8,17 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
 use anyhow::Context;
+use omnirig_fixtures::Stage;
+use omnirig_harness::process::StageLauncher;
 use omnirig_harness::{Report, Runner, Scenario};
-use omnirig_hil::evidence::HostFacts;
+use omnirig_hil::agent;
+use omnirig_hil::evidence::{
+    HostFacts, PerfRow, PerfTool, PerftestRequest, Probe, netdev_addresses, parse_perftest,
+};
 use omnirig_hil::{Cluster, ClusterLauncher};
 use omnirig_transports::TransportKind;
 use serde::Serialize;
@@ -51,7 +59,40 @@ struct PathEvidence {
     why_not: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     passed: Option<bool>,
+    /// What a reader should know about how this path ran here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<String>,
+    /// Its run's report page, relative to the evidence directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    report: Option<String>,
     hops: Vec<omnirig_harness::HopSummary>,
+    /// The rdma transport's own log lines from the run (device, port, GID it selected), per
+    /// node.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    engine_log: Vec<NodeLog>,
+}
+
+#[derive(Serialize)]
+struct NodeLog {
+    node: String,
+    lines: Vec<String>,
+}
+
+/// A perftest baseline between two nodes: each size's rows, from the client's output (the
+/// server's is kept beside it).
+#[derive(Serialize)]
+struct BaselineEvidence {
+    label: String,
+    tool: String,
+    /// `server -> client`.
+    pair: String,
+    ran: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    why_not: Option<String>,
+    rows: Vec<PerfRow>,
+    /// Every invocation: its command line and output, or why it failed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    runs: Vec<Probe>,
 }
 
 #[derive(Serialize)]
@@ -61,8 +102,66 @@ struct Evidence {
     scenario: String,
     nodes: Vec<NodeEvidence>,
     paths: Vec<PathEvidence>,
-    baselines: Vec<PathEvidence>,
+    baselines: Vec<BaselineEvidence>,
+    /// The plots, relative to the evidence directory.
+    plots: Vec<String>,
 }
+
+const PATH_TCP: &str = "TCP between nodes (cluster addresses)";
+const PATH_NETDEV: &str = "TCP over the IPoIB / RoCE netdev";
+const PATH_RDMA: &str = "RDMA from pinned host memory";
+const PATH_GPUDIRECT: &str = "GPUDirect RDMA";
+
+/// Stage processes on their nodes, as the cluster file places them, but their engines and
+/// control listeners on other addresses of those nodes (the netdev's).
+struct BoundElsewhere {
+    inner: Arc<ClusterLauncher>,
+    bind: BTreeMap<&'static str, IpAddr>,
+}
+
+impl StageLauncher for BoundElsewhere {
+    fn orchestrator_listen(&self) -> std::net::SocketAddr {
+        self.inner.orchestrator_listen()
+    }
+
+    fn bind_host(&self, stage: Stage) -> IpAddr {
+        self.bind
+            .get(stage.as_str())
+            .copied()
+            .unwrap_or_else(|| self.inner.bind_host(stage))
+    }
+
+    fn node(&self, stage: Stage) -> Option<String> {
+        self.inner.node(stage)
+    }
+
+    fn metadata(&self) -> Option<String> {
+        self.inner.metadata()
+    }
+
+    fn rdma(&self, stage: Stage) -> Option<omnirig_harness::process::StageRdma> {
+        self.inner.rdma(stage)
+    }
+
+    fn launch<'a>(
+        &'a self,
+        stage: Stage,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = omnirig_harness::Result<Box<dyn omnirig_harness::process::StageChild>>,
+                > + Send
+                + 'a,
+        >,
+    > {
+        self.inner.launch(stage, args, env)
+    }
+}
+
+/// A path's run, or why it did not run.
+type PathRun = Result<Report, String>;
 
 pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
     let cluster = Cluster::from_path(&args.cluster)?;
@@ -77,21 +176,21 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let secret = cluster.secret()?;
-    let (nodes, tcp_report) = rt.block_on(async {
+    let agent_addr = |n: &omnirig_hil::Node| std::net::SocketAddr::new(n.host, n.agent_port);
+    let (nodes, runs, logs, baselines) = rt.block_on(async {
         let _agents =
             omnirig_hil::start_agents(&cluster, &exe.to_string_lossy(), Duration::from_secs(60))
                 .await?;
         let mut nodes = Vec::new();
         for n in &cluster.nodes {
-            let addr = std::net::SocketAddr::new(n.host, n.agent_port);
-            let facts = omnirig_hil::agent::collect_facts(&n.name, addr, &secret).await;
+            let facts = agent::collect_facts(&n.name, agent_addr(n), &secret).await;
             nodes.push(NodeEvidence {
                 node: n.name.clone(),
                 host: n.host.to_string(),
-                rdma: n
-                    .rdma
-                    .as_ref()
-                    .map(|r| format!("{} port {} gid {}", r.device, r.port, r.gid_index)),
+                rdma: n.rdma.as_ref().map(|r| match r.gid_index {
+                    Some(g) => format!("{} port {} gid {g}", r.device, r.port),
+                    None => format!("{} port {} (first RoCEv2 GID)", r.device, r.port),
+                }),
                 gpu: n.gpu,
                 netdev: n.netdev.clone(),
                 stages: n.stages.clone(),
@@ -100,68 +199,108 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
             });
         }
         let launcher = Arc::new(ClusterLauncher::new(cluster.clone())?);
-        let report = Runner::new(scenario.clone().with_transport(TransportKind::Tcp))
-            .cluster(launcher)
-            .run()
-            .await;
-        anyhow::Ok((nodes, report))
-    })?;
-    let tcp_dir = args.out.join("tcp");
-    let mut paths = Vec::new();
-    match &tcp_report {
-        Ok(r) => {
-            std::fs::create_dir_all(&tcp_dir)?;
-            r.write(&tcp_dir)?;
-            crate::report::write_run_site(r, &tcp_dir)
-                .with_context(|| format!("report page in {}", tcp_dir.display()))?;
-            paths.push(path_of("TCP between nodes (cluster addresses)", "tcp", r));
+        let measure = |l: Arc<dyn StageLauncher>, t: TransportKind| {
+            let s = scenario.clone().with_transport(t);
+            async move {
+                Runner::new(s)
+                    .cluster(l)
+                    .run()
+                    .await
+                    .map_err(|e| format!("the run failed to start: {e}"))
+            }
+        };
+        let mut runs: Vec<(&str, PathRun)> = Vec::new();
+        runs.push((
+            PATH_TCP,
+            measure(launcher.clone(), TransportKind::Tcp).await,
+        ));
+        runs.push((
+            PATH_NETDEV,
+            match netdev_binds(&cluster, &nodes) {
+                Ok(bind) => {
+                    let l = Arc::new(BoundElsewhere {
+                        inner: launcher.clone(),
+                        bind,
+                    });
+                    measure(l, TransportKind::Tcp).await
+                }
+                Err(why) => Err(why),
+            },
+        ));
+        // The engine log is cleared first, so the lines are this run's.
+        for n in &cluster.nodes {
+            let _ = agent::engine_log(&n.name, agent_addr(n), &secret, true).await;
         }
-        Err(e) => paths.push(not_run(
-            "TCP between nodes (cluster addresses)",
-            "tcp",
-            format!("the run failed to start: {e}"),
-        )),
+        let rdma = match cluster.nodes.iter().find(|n| n.rdma.is_none()) {
+            Some(n) => Err(format!(
+                "node {} has no rdma section in the cluster file",
+                n.name
+            )),
+            None => measure(launcher.clone(), TransportKind::Rdma).await,
+        };
+        let mut logs = Vec::new();
+        if rdma.is_ok() {
+            for n in &cluster.nodes {
+                let lines = match agent::engine_log(&n.name, agent_addr(n), &secret, false).await {
+                    Ok(l) if l.is_empty() => vec![
+                        "(no rdma lines: is the agent an omnirig that relays its stages' logs?)"
+                            .into(),
+                    ],
+                    Ok(l) => l,
+                    Err(e) => vec![format!("(no log: {e})")],
+                };
+                logs.push(NodeLog {
+                    node: n.name.clone(),
+                    lines,
+                });
+            }
+        }
+        runs.push((PATH_RDMA, rdma));
+        let baselines = perftest_baselines(&cluster, &secret).await;
+        anyhow::Ok((nodes, runs, logs, baselines))
+    })?;
+
+    let mut paths = Vec::new();
+    let mut reports: Vec<(&str, &Report)> = Vec::new();
+    for (label, run) in &runs {
+        let (transport, dir) = match *label {
+            PATH_TCP => ("tcp", "tcp"),
+            PATH_NETDEV => ("tcp", "tcp-netdev"),
+            _ => ("rdma", "rdma"),
+        };
+        match run {
+            Ok(r) => {
+                let d = args.out.join(dir);
+                std::fs::create_dir_all(&d)?;
+                r.write(&d)?;
+                crate::report::write_run_site(r, &d)
+                    .with_context(|| format!("report page in {}", d.display()))?;
+                let mut p = path_of(label, transport, r);
+                p.report = Some(format!("{dir}/index.html"));
+                p.note = note_for(label, &cluster, &nodes);
+                paths.push(p);
+                reports.push((label, r));
+            }
+            Err(why) => paths.push(not_run(label, transport, why.clone())),
+        }
     }
-    let netdevs = cluster.nodes.iter().filter(|n| n.netdev.is_some()).count();
+    if let Some(p) = paths.iter_mut().find(|p| p.label == PATH_RDMA && p.ran) {
+        p.engine_log = logs;
+    }
     paths.push(not_run(
-        "TCP over the IPoIB / RoCE netdev",
-        "tcp",
-        if netdevs == 0 {
-            "no node names a netdev in the cluster file".into()
-        } else {
-            "not measured yet: placing engines on the netdev's address is not built (issue 13)"
-                .into()
-        },
-    ));
-    paths.push(not_run(
-        "RDMA from pinned host memory",
-        "rdma",
-        "this build has no rdma transport (feature rdma; issue 12 brings it to main)".into(),
-    ));
-    paths.push(not_run(
-        "GPUDirect RDMA",
+        PATH_GPUDIRECT,
         "rdma+cuda",
-        "needs the rdma and cuda transports, neither in this build".into(),
+        gpudirect_why_not(&cluster, &nodes),
     ));
-    let baselines = vec![
-        not_run(
-            "ib_write_bw on the same node pair",
-            "verbs",
-            "perftest baselines between nodes are not built yet (issue 13)".into(),
-        ),
-        not_run(
-            "ib_write_lat on the same node pair",
-            "verbs",
-            "perftest baselines between nodes are not built yet (issue 13)".into(),
-        ),
-    ];
+    let plots = write_plots(&args.out, &reports, &baselines)?;
     let ev = Evidence {
-        evidence_version: 1,
+        evidence_version: 2,
         cluster: cluster.name.clone(),
         scenario: scenario.name.clone(),
         nodes,
         paths,
         baselines,
+        plots,
     };
     let json = args.out.join("evidence.json");
     std::fs::write(&json, serde_json::to_vec_pretty(&ev)?)
@@ -169,14 +308,416 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
     let md = args.out.join("evidence.md");
     std::fs::write(&md, markdown(&ev)).with_context(|| format!("writing {}", md.display()))?;
     println!("evidence: {} and {}", json.display(), md.display());
-    if tcp_report.is_ok() {
-        println!("tcp run page: {}", tcp_dir.join("index.html").display());
+    let failed: Vec<&str> = ev
+        .paths
+        .iter()
+        .filter(|p| p.ran && p.passed != Some(true))
+        .map(|p| p.label.as_str())
+        .collect();
+    if runs[0].1.is_err() {
+        anyhow::bail!(
+            "the TCP run between nodes did not start; see {}",
+            md.display()
+        );
     }
-    let passed = tcp_report.as_ref().is_ok_and(Report::passed);
-    if !passed {
-        anyhow::bail!("the measured run did not pass; see {}", md.display());
+    if !failed.is_empty() {
+        anyhow::bail!(
+            "measured runs did not pass: {}; see {}",
+            failed.join(", "),
+            md.display()
+        );
     }
     Ok(())
+}
+
+/// Where each stage's engines bind for the netdev path: the first IPv4 address of its node's
+/// netdev (from the node's `ip -o addr show`), or why the path cannot run.
+fn netdev_binds(
+    cluster: &Cluster,
+    nodes: &[NodeEvidence],
+) -> Result<BTreeMap<&'static str, IpAddr>, String> {
+    let mut bind = BTreeMap::new();
+    for stage in Stage::ALL {
+        let n = cluster.node_of(stage);
+        let Some(dev) = &n.netdev else {
+            return Err(format!(
+                "node {} names no netdev in the cluster file",
+                n.name
+            ));
+        };
+        let ev = nodes.iter().find(|e| e.node == n.name);
+        let listing = ev
+            .and_then(|e| e.facts.as_ref())
+            .and_then(|f| f.probes.iter().find(|p| p.name == "addresses"))
+            .and_then(|p| p.output.as_deref());
+        let Some(listing) = listing else {
+            return Err(format!(
+                "node {}: its addresses are unknown (`ip -o addr show` did not run there)",
+                n.name
+            ));
+        };
+        let Some(addr) = netdev_addresses(listing, dev).into_iter().next() else {
+            return Err(format!("node {}: netdev {dev} has no IPv4 address", n.name));
+        };
+        bind.insert(stage.as_str(), addr);
+    }
+    Ok(bind)
+}
+
+fn note_for(label: &str, cluster: &Cluster, nodes: &[NodeEvidence]) -> Option<String> {
+    match label {
+        PATH_NETDEV => {
+            let same = netdev_binds(cluster, nodes)
+                .map(|b| {
+                    Stage::ALL
+                        .iter()
+                        .all(|s| b.get(s.as_str()) == Some(&cluster.node_of(*s).host))
+                })
+                .unwrap_or(false);
+            same.then(|| {
+                "every node's netdev carries its cluster address here, so this is the same \
+                 interface as the TCP path, measured again"
+                    .into()
+            })
+        }
+        PATH_RDMA => {
+            let soft = cluster
+                .nodes
+                .iter()
+                .filter_map(|n| n.rdma.as_ref())
+                .any(|r| r.device.starts_with("rxe"));
+            let base = "the engine registers each grant's host memory as a memory region \
+                        (pinned by the kernel); one-sided RDMA WRITE/READ between the nodes";
+            Some(if soft {
+                format!(
+                    "{base}; soft-RoCE (rdma_rxe): the NIC is the kernel, so this measures \
+                     the software stack, not an HCA"
+                )
+            } else {
+                base.into()
+            })
+        }
+        _ => None,
+    }
+}
+
+fn gpudirect_why_not(cluster: &Cluster, nodes: &[NodeEvidence]) -> String {
+    let mut why = vec![
+        "this build has no cuda transport: GPUDirect needs GPU memory registered with the NIC \
+         (feature cuda, issue 15)"
+            .to_string(),
+    ];
+    if cluster.nodes.iter().all(|n| n.gpu.is_none()) {
+        why.push("no node in the cluster file names a gpu".into());
+    }
+    let no_smi: Vec<&str> = nodes
+        .iter()
+        .filter(|n| {
+            n.facts.as_ref().is_some_and(|f| {
+                f.probes
+                    .iter()
+                    .any(|p| p.name == "gpu_topology" && p.output.is_none())
+            })
+        })
+        .map(|n| n.node.as_str())
+        .collect();
+    if !no_smi.is_empty() {
+        why.push(format!(
+            "nvidia-smi gave no GPU topology on {}",
+            no_smi.join(", ")
+        ));
+    }
+    if cluster
+        .nodes
+        .iter()
+        .filter_map(|n| n.rdma.as_ref())
+        .any(|r| r.device.starts_with("rxe"))
+    {
+        why.push(
+            "soft-RoCE (rxe) copies through the CPU and cannot DMA to or from GPU memory".into(),
+        );
+    }
+    why.join("; ")
+}
+
+/// Message sizes of the ib_write_bw baseline and of the ib_write_lat one.
+const BW_SIZES: [u64; 4] = [4 << 10, 64 << 10, 1 << 20, 4 << 20];
+const LAT_SIZES: [u64; 3] = [8, 4 << 10, 64 << 10];
+const PERF_PORT: u16 = 18_900;
+
+/// The node pairs that exchange a hop (upstream, downstream), each once.
+fn hop_pairs(cluster: &Cluster) -> Vec<(&omnirig_hil::Node, &omnirig_hil::Node)> {
+    let mut pairs: Vec<(&omnirig_hil::Node, &omnirig_hil::Node)> = Vec::new();
+    for w in Stage::ALL.windows(2) {
+        let (a, b) = (cluster.node_of(w[0]), cluster.node_of(w[1]));
+        if a.name != b.name
+            && !pairs.iter().any(|(x, y)| {
+                (x.name == a.name && y.name == b.name) || (x.name == b.name && y.name == a.name)
+            })
+        {
+            pairs.push((a, b));
+        }
+    }
+    pairs
+}
+
+/// ib_write_bw and ib_write_lat between each pair of nodes that exchange a hop, in this run:
+/// the server side through one node's agent, the client through the other's.
+async fn perftest_baselines(cluster: &Cluster, secret: &str) -> Vec<BaselineEvidence> {
+    let mut out = Vec::new();
+    let pairs = hop_pairs(cluster);
+    let mut port = PERF_PORT;
+    for tool in [PerfTool::IbWriteBw, PerfTool::IbWriteLat] {
+        let label = format!("{} on the same node pair", tool.program());
+        if pairs.is_empty() {
+            out.push(not_baseline(
+                &label,
+                tool,
+                "-",
+                "every stage runs on one node: no pair",
+            ));
+            continue;
+        }
+        for (server, client) in &pairs {
+            let pair = format!("{} -> {}", server.name, client.name);
+            let (Some(rs), Some(rc)) = (&server.rdma, &client.rdma) else {
+                out.push(not_baseline(
+                    &label,
+                    tool,
+                    &pair,
+                    "a node of the pair has no rdma section in the cluster file",
+                ));
+                continue;
+            };
+            let sizes: &[u64] = match tool {
+                PerfTool::IbWriteBw => &BW_SIZES,
+                PerfTool::IbWriteLat => &LAT_SIZES,
+            };
+            let mut b = BaselineEvidence {
+                label: label.clone(),
+                tool: tool.program().into(),
+                pair: pair.clone(),
+                ran: false,
+                why_not: None,
+                rows: vec![],
+                runs: vec![],
+            };
+            for &size in sizes {
+                // Enough bytes to be a measurement, few enough for a soft-RoCE VM.
+                let iterations = match tool {
+                    PerfTool::IbWriteBw => ((32u64 << 20) / size).clamp(16, 2000) as u32,
+                    PerfTool::IbWriteLat => 500,
+                };
+                port += 1;
+                let req = |r: &omnirig_hil::cluster::Rdma, peer: Option<IpAddr>| PerftestRequest {
+                    tool,
+                    device: r.device.clone(),
+                    port: r.port,
+                    gid_index: r.gid_index,
+                    size,
+                    iterations,
+                    tcp_port: port,
+                    server: peer,
+                };
+                let (srv, cli) = perftest_pair(
+                    server,
+                    req(rs, None),
+                    client,
+                    req(rc, Some(server.host)),
+                    secret,
+                )
+                .await;
+                let rows = cli
+                    .output
+                    .as_deref()
+                    .map(|o| parse_perftest(tool, o))
+                    .unwrap_or_default();
+                if rows.is_empty() && b.why_not.is_none() {
+                    b.why_not = Some(format!(
+                        "{} bytes: {}",
+                        size,
+                        cli.why_not
+                            .clone()
+                            .or(srv.why_not.clone())
+                            .unwrap_or_else(|| "no result rows in its output".into())
+                    ));
+                }
+                b.rows.extend(rows);
+                b.runs.extend([srv, cli]);
+            }
+            b.ran = !b.rows.is_empty();
+            out.push(b);
+        }
+    }
+    out
+}
+
+fn not_baseline(label: &str, tool: PerfTool, pair: &str, why: &str) -> BaselineEvidence {
+    BaselineEvidence {
+        label: label.into(),
+        tool: tool.program().into(),
+        pair: pair.into(),
+        ran: false,
+        why_not: Some(why.into()),
+        rows: vec![],
+        runs: vec![],
+    }
+}
+
+/// Starts the server side, then the client until it connects (the server needs a moment to
+/// listen; a client that cannot connect fails at once and is retried).
+async fn perftest_pair(
+    server: &omnirig_hil::Node,
+    sreq: PerftestRequest,
+    client: &omnirig_hil::Node,
+    creq: PerftestRequest,
+    secret: &str,
+) -> (Probe, Probe) {
+    let program = sreq.tool.program();
+    let failed = |name: &str, e: String| Probe {
+        name: name.into(),
+        command: program.into(),
+        ran: false,
+        output: None,
+        why_not: Some(e),
+    };
+    let saddr = std::net::SocketAddr::new(server.host, server.agent_port);
+    let caddr = std::net::SocketAddr::new(client.host, client.agent_port);
+    let (sname, secret_s) = (server.name.clone(), secret.to_owned());
+    let srv = tokio::spawn(async move { agent::perftest(&sname, saddr, &secret_s, sreq).await });
+    let mut cli = failed("client", "not started".into());
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cli = match agent::perftest(&client.name, caddr, secret, creq.clone()).await {
+            Ok(p) => p,
+            Err(e) => failed("client", e.to_string()),
+        };
+        let refused = cli.why_not.as_deref().is_some_and(|w| {
+            w.contains("Couldn't connect") || w.contains("Unable to") || w.contains("refused")
+        });
+        if !refused || srv.is_finished() {
+            break;
+        }
+    }
+    let srv = match tokio::time::timeout(Duration::from_secs(30), srv).await {
+        Ok(Ok(Ok(p))) => p,
+        Ok(Ok(Err(e))) => failed("server", e.to_string()),
+        Ok(Err(e)) => failed("server", e.to_string()),
+        Err(_) => failed("server", "still running 30 s after its client ended".into()),
+    };
+    (srv, cli)
+}
+
+/// Bandwidth against size (each path's hops, ib_write_bw's line) and the transfer-latency
+/// CDF per path and hop, each a PNG and an SVG.
+fn write_plots(
+    out: &std::path::Path,
+    reports: &[(&str, &Report)],
+    baselines: &[BaselineEvidence],
+) -> anyhow::Result<Vec<String>> {
+    use crate::report::plot::{Axis, Body, Figure, Line, Method, Panel, Unit, Wire, cdf};
+    let mut files = Vec::new();
+    let bw_line: Vec<(f64, f64)> = baselines
+        .iter()
+        .filter(|b| b.tool == "ib_write_bw")
+        .flat_map(|b| &b.rows)
+        .filter_map(|r| Some((r.bytes as f64, r.bw_average_mbps? / 1e3)))
+        .collect();
+    let mut panels = Vec::new();
+    for (label, r) in reports {
+        let mut pts: Vec<(f64, f64)> = r
+            .hops
+            .iter()
+            .filter(|h| h.requests > 0 && h.moved_bytes > 0)
+            .map(|h| (h.moved_bytes as f64 / h.requests as f64, h.gbps))
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let wire = Wire::parse(r.hops.first().map_or("tcp", |h| h.transport.as_str()));
+        let mut p = Panel::new(
+            label.to_string(),
+            Axis::new("bytes per request on the hop", Unit::Bytes, true),
+            Axis::new("GB/s", Unit::GBps, true),
+        );
+        p.dots = true;
+        p.lines.push(Line {
+            method: Method::Omnirig,
+            wire,
+            pts,
+        });
+        if !bw_line.is_empty() {
+            p.lines.push(Line {
+                method: Method::Floor,
+                wire: Wire::Rdma,
+                pts: bw_line.clone(),
+            });
+        }
+        if p.has_data() {
+            panels.push(p);
+        }
+    }
+    let mut figures = Vec::new();
+    if !panels.is_empty() {
+        figures.push(Figure {
+            name: "evidence-bandwidth".into(),
+            title: "Effective bandwidth per hop against bytes per request".into(),
+            subtitle: if bw_line.is_empty() {
+                "one point per hop (its moved bytes over its transfer time); no ib_write_bw baseline ran".into()
+            } else {
+                "one point per hop (its moved bytes over its transfer time); grey: ib_write_bw on the same node pair".into()
+            },
+            body: Body::Panels { cols: panels.len().min(3), panels },
+            keys: vec![],
+        });
+    }
+    let mut panels = Vec::new();
+    for (label, r) in reports {
+        let mut hops: Vec<&str> = r.hops.iter().map(|h| h.hop.as_str()).collect();
+        hops.dedup();
+        for hop in hops {
+            let samples: Vec<f64> = r
+                .requests
+                .iter()
+                .flat_map(|q| q.hops.iter().filter(|h| h.hop == hop && h.moved_bytes > 0))
+                .map(|h| h.transfer_ms * 1e3)
+                .collect();
+            let transport = r.transports.get(hop).map_or("tcp", String::as_str);
+            let mut p = Panel::new(
+                format!("{hop}: {label}"),
+                Axis::new("transfer time", Unit::Micros, true),
+                Axis::new("fraction of requests", Unit::Fraction, false),
+            );
+            p.lines.push(Line {
+                method: Method::Omnirig,
+                wire: Wire::parse(transport),
+                pts: cdf(&samples),
+            });
+            if p.has_data() {
+                panels.push(p);
+            }
+        }
+    }
+    if !panels.is_empty() {
+        figures.push(Figure {
+            name: "evidence-latency-cdf".into(),
+            title: "Transfer time per request, per path and hop (CDF)".into(),
+            subtitle: "the engine's transfer of each request's bytes on the hop".into(),
+            body: Body::Panels { cols: 4, panels },
+            keys: vec![],
+        });
+    }
+    for f in figures {
+        let png = f.write_png(out)?;
+        let svg = out.join(format!("{}.svg", f.name));
+        std::fs::write(&svg, f.svg()?).with_context(|| format!("writing {}", svg.display()))?;
+        for p in [png, svg] {
+            files.push(
+                p.file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+            );
+        }
+    }
+    Ok(files)
 }
 
 fn path_of(label: &str, transport: &str, r: &Report) -> PathEvidence {
@@ -186,7 +727,10 @@ fn path_of(label: &str, transport: &str, r: &Report) -> PathEvidence {
         ran: true,
         why_not: None,
         passed: Some(r.passed()),
+        note: None,
+        report: None,
         hops: r.hops.clone(),
+        engine_log: vec![],
     }
 }
 
@@ -197,7 +741,10 @@ fn not_run(label: &str, transport: &str, why: String) -> PathEvidence {
         ran: false,
         why_not: Some(why),
         passed: None,
+        note: None,
+        report: None,
         hops: vec![],
+        engine_log: vec![],
     }
 }
 
@@ -230,7 +777,7 @@ fn markdown(ev: &Evidence) -> String {
                 .as_deref()
                 .unwrap_or("")
                 .lines()
-                .filter(|l| !l.starts_with(' '))
+                .map(str::trim)
                 .collect::<Vec<_>>()
                 .join("; "),
             Some(p) => format!("none ({})", p.why_not.as_deref().unwrap_or("?")),
@@ -247,11 +794,48 @@ fn markdown(ev: &Evidence) -> String {
             n.stages.join(", ")
         );
     }
+    let hca: Vec<String> = ev
+        .nodes
+        .iter()
+        .filter_map(|n| {
+            let out = n
+                .facts
+                .as_ref()?
+                .probes
+                .iter()
+                .find(|p| p.name == "ibv_devinfo")?
+                .output
+                .as_deref()?;
+            let pick = |key: &str| {
+                out.lines()
+                    .find(|l| l.trim_start().starts_with(key))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_owned())
+                    .unwrap_or_else(|| "?".into())
+            };
+            Some(format!(
+                "- {}: `{}` fw {}, {} / {}, port {} ({}), active MTU {}, link layer {}, {} GIDs listed",
+                n.node,
+                pick("hca_id"),
+                pick("fw_ver"),
+                pick("transport"),
+                pick("vendor_part_id"),
+                pick("state"),
+                pick("active_speed"),
+                pick("active_mtu"),
+                pick("link_layer"),
+                out.lines().filter(|l| l.contains("GID[")).count()
+            ))
+        })
+        .collect();
+    if !hca.is_empty() {
+        let _ = writeln!(s, "\n### HCAs (`ibv_devinfo -v`)\n\n{}", hca.join("\n"));
+    }
     let _ = writeln!(
         s,
-        "\n### Paths (per hop: transfer p50 / p99, effective bandwidth)\n"
+        "\n### Paths (per hop: bytes per request, transfer p50 / p99, effective bandwidth)\n"
     );
-    for p in ev.paths.iter().chain(&ev.baselines) {
+    for p in &ev.paths {
         if !p.ran {
             let _ = writeln!(
                 s,
@@ -267,26 +851,95 @@ fn markdown(ev: &Evidence) -> String {
         } else {
             "FAILED"
         };
-        let _ = writeln!(s, "- **{}** (`{}`): {verdict}\n", p.label, p.transport);
+        let _ = writeln!(s, "- **{}** (`{}`): {verdict}", p.label, p.transport);
+        if let Some(n) = &p.note {
+            let _ = writeln!(s, "  ({n})");
+        }
         let _ = writeln!(
             s,
-            "  | hop | transport | requests | moved MiB | p50 ms | p99 ms | GB/s |"
+            "\n  | hop | transport | requests | KiB / request | p50 ms | p99 ms | GB/s |"
         );
         let _ = writeln!(s, "  |---|---|---|---|---|---|---|");
         for h in &p.hops {
             let _ = writeln!(
                 s,
-                "  | {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.2} |",
+                "  | {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.3} |",
                 h.hop,
                 h.transport,
                 h.requests,
-                h.moved_bytes as f64 / (1 << 20) as f64,
+                h.moved_bytes as f64 / h.requests.max(1) as f64 / 1024.0,
                 h.transfer_ms_p50,
                 h.transfer_ms_p99,
                 h.gbps
             );
         }
+        for l in &p.engine_log {
+            let _ = writeln!(
+                s,
+                "\n  engine log on {} ({} rdma lines; first and last):\n",
+                l.node,
+                l.lines.len()
+            );
+            let shown: Vec<&String> = if l.lines.len() > 4 {
+                l.lines[..2]
+                    .iter()
+                    .chain(&l.lines[l.lines.len() - 2..])
+                    .collect()
+            } else {
+                l.lines.iter().collect()
+            };
+            for line in shown {
+                let _ = writeln!(s, "      {}", line.trim());
+            }
+        }
         let _ = writeln!(s);
+    }
+    let _ = writeln!(s, "\n### Baselines (perftest, same node pair, same run)\n");
+    for b in &ev.baselines {
+        if !b.ran {
+            let _ = writeln!(
+                s,
+                "- **{}** ({}): not run: {}",
+                b.label,
+                b.pair,
+                b.why_not.as_deref().unwrap_or("?")
+            );
+            continue;
+        }
+        let _ = writeln!(s, "- **{}** ({}):\n", b.label, b.pair);
+        if b.tool == "ib_write_bw" {
+            let _ = writeln!(s, "  | bytes | iterations | average MB/s |");
+            let _ = writeln!(s, "  |---|---|---|");
+            for r in &b.rows {
+                let _ = writeln!(
+                    s,
+                    "  | {} | {} | {:.2} |",
+                    r.bytes,
+                    r.iterations,
+                    r.bw_average_mbps.unwrap_or(0.0)
+                );
+            }
+        } else {
+            let _ = writeln!(s, "  | bytes | iterations | typical us | p99 us |");
+            let _ = writeln!(s, "  |---|---|---|---|");
+            for r in &b.rows {
+                let _ = writeln!(
+                    s,
+                    "  | {} | {} | {:.2} | {:.2} |",
+                    r.bytes,
+                    r.iterations,
+                    r.lat_typical_us.unwrap_or(0.0),
+                    r.lat_p99_us.unwrap_or(0.0)
+                );
+            }
+        }
+        if let Some(w) = &b.why_not {
+            let _ = writeln!(s, "\n  (some sizes did not run: {w})");
+        }
+        let _ = writeln!(s);
+    }
+    if !ev.plots.is_empty() {
+        let _ = writeln!(s, "\nPlots: {}", ev.plots.join(", "));
     }
     let _ = writeln!(s, "\n### Host probes that could not run\n");
     for n in &ev.nodes {
@@ -310,7 +963,7 @@ fn markdown(ev: &Evidence) -> String {
     }
     let _ = writeln!(
         s,
-        "\nFull probe output (ibv_devinfo -v, GID tables, topology): `evidence.json`."
+        "\nFull probe output (ibv_devinfo -v, GID tables, topology, perftest output): `evidence.json`."
     );
     s
 }

@@ -27,6 +27,17 @@ pub struct StageArgs {
     /// etcd://host:port[?ttl_s=N]); default: peer-to-peer.
     #[arg(long)]
     metadata: Option<String>,
+    /// The RDMA device its rdma engines use (a cluster node's `rdma.device`); default: the
+    /// first device.
+    #[arg(long)]
+    rdma_device: Option<String>,
+    /// The port on `--rdma-device` (1-based).
+    #[arg(long, default_value_t = 1, requires = "rdma_device",
+          value_parser = clap::value_parser!(u8).range(1..))]
+    rdma_port: u8,
+    /// The GID index to send from; default: the first RoCEv2 IPv4 GID.
+    #[arg(long, requires = "rdma_device")]
+    rdma_gid_index: Option<u32>,
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
@@ -42,6 +53,12 @@ pub fn run(args: StageArgs) -> anyhow::Result<()> {
         args.out_transport,
         args.bind,
         args.metadata.as_deref(),
+        args.rdma_device
+            .map(|device| omnirig_harness::process::StageRdma {
+                device,
+                port: args.rdma_port,
+                gid_index: args.rdma_gid_index,
+            }),
     ))?;
     Ok(())
 }

@@ -78,7 +78,7 @@ impl Method {
             Method::Pickle => "pickle over ZMQ",
             Method::Pickle5Oob => "pickle5 out-of-band over ZMQ",
             Method::PickleShm => "pickle, tensors via shared memory",
-            Method::Floor => "floor (plain socket / memcpy)",
+            Method::Floor => "floor (plain socket / memcpy / ib_write_bw)",
             Method::Other => "other baseline",
         }
     }
