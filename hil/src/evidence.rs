@@ -167,7 +167,6 @@ pub async fn collect() -> HostFacts {
         probe("rdma_links", "rdma", &["link", "show"]).await,
         probe("addresses", "ip", &["-o", "addr", "show"]).await,
         probe("gpu_topology", "nvidia-smi", &["topo", "-m"]).await,
-        probe("ib_write_bw", "ib_write_bw", &["--version"]).await,
     ];
     HostFacts { hostname, probes }
 }
