@@ -18,7 +18,7 @@ fn fake_omnirig() -> PathBuf {
     let p = std::env::temp_dir().join(format!("omnirig-fake-{}.sh", std::process::id()));
     std::fs::write(
         &p,
-        "#!/bin/sh\n[ \"$1\" = stage ] || exit 3\n[ -n \"$OMNIRIG_RUN_SECRET\" ] || exit 4\n[ \"$2\" = sleep ] && exec sleep 30\nexit 0\n",
+        "#!/bin/sh\n[ \"$1\" = stage ] || exit 3\n[ -n \"$OMNIRIG_RUN_SECRET\" ] || exit 4\n[ \"$2\" = sleep ] && exec sleep 30\n[ \"$2\" = log ] && printf '\\033[2mINFO\\033[0m rdma: selected device rxe0\\nnot an rdma line\\n' >&2\nexit 0\n",
     )
     .unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -147,4 +147,67 @@ async fn a_lost_agent_is_reported_naming_its_node() {
         .await
         .unwrap();
     assert!(st.contains("lost node node-b"), "{st}");
+}
+
+/// The agent relays a stage's stderr and keeps its rdma lines, colour codes stripped, until
+/// a coordinator clears them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keeps_the_rdma_lines_its_stages_log() {
+    let addr = agent().await;
+    let mut c = AgentChild::start("node-a", addr, SECRET, args(&["stage", "log"]), env())
+        .await
+        .unwrap();
+    let st = tokio::time::timeout(Duration::from_secs(10), c.wait())
+        .await
+        .unwrap();
+    assert_eq!(st, "exit status: 0");
+    // The relay task may trail the exit by a moment.
+    let mut lines = vec![];
+    for _ in 0..50 {
+        lines = omnirig_hil::agent::engine_log("node-a", addr, SECRET, false)
+            .await
+            .unwrap();
+        if !lines.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(lines, vec!["INFO rdma: selected device rxe0".to_string()]);
+    let again = omnirig_hil::agent::engine_log("node-a", addr, SECRET, true)
+        .await
+        .unwrap();
+    assert_eq!(again, lines);
+    let cleared = omnirig_hil::agent::engine_log("node-a", addr, SECRET, false)
+        .await
+        .unwrap();
+    assert!(cleared.is_empty(), "{cleared:?}");
+    // A wrong secret gets nothing.
+    assert!(
+        omnirig_hil::agent::engine_log("node-a", addr, "not-the-secret-at-all", false)
+            .await
+            .is_err()
+    );
+}
+
+/// A perftest request the agent will not run: refused with the field named, nothing started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_perftest_requests_with_bad_fields() {
+    use omnirig_hil::evidence::{PerfTool, PerftestRequest};
+    let addr = agent().await;
+    let req = PerftestRequest {
+        tool: PerfTool::IbWriteBw,
+        device: "rxe0 -x 1; reboot".into(),
+        port: 1,
+        gid_index: None,
+        size: 4096,
+        iterations: 10,
+        tcp_port: 18_900,
+        server: None,
+    };
+    let p = omnirig_hil::agent::perftest("node-a", addr, SECRET, req)
+        .await
+        .unwrap();
+    assert!(!p.ran, "{p:?}");
+    let why = p.why_not.unwrap_or_default();
+    assert!(why.contains("refused") && why.contains("device"), "{why}");
 }
