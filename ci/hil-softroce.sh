@@ -68,10 +68,10 @@ if [ "$SOFTROCE_NODE" = 0 ]; then
   echo "hil test: exit $rc in $((SECONDS - t)) s"
   grep -E '^test |test result|cluster|killed|deadline' "$out/test.log"
   t=$SECONDS erc=0
-  # Three golden cases of different sizes, four times each: every hop at a few sizes, twelve
-  # samples per CDF, in minutes under TCG (the default scenario's large KV takes much longer).
+  # Two golden cases of different sizes, four times each: every hop at two sizes, eight
+  # samples per CDF, in minutes under TCG (long_audio's 108 MiB KV alone takes 18 s a request).
   printf 'name: evidence-softroce\nconcurrency: 1\nrequests:\n%s' \
-    "$(for c in text_short image_audio long_audio; do printf '  - {case: %s, repeat: 4, vary_seed: true}\n' $c; done)" \
+    "$(for c in text_short image_audio; do printf '  - {case: %s, repeat: 4, vary_seed: true}\n' $c; done)" \
     > "$out/evidence-scenario.yaml"
   "$exe" evidence --cluster "$out/cluster.yaml" --out "$out/evidence" \
     --scenario "$out/evidence-scenario.yaml" > "$out/evidence.log" 2>&1 || erc=$?

@@ -132,17 +132,18 @@ async fn faults_on_the_cluster() {
         .name
         .clone();
 
-    // The talker's process dies on its node while requests are in flight.
+    // The talker's process dies on its node while requests are in flight: they arrive every
+    // 250 ms for 20 s whatever the hardware, and the kill comes 8 s in.
     let mut s = Scenario::from_yaml(
-        "name: killed-on-node\nconcurrency: 2\nhop_timeout_s: 20\nrequest_timeout_s: 60\n\
-         requests:\n  - case: text_short\n    repeat: 40\n",
+        "name: killed-on-node\nconcurrency: 2\narrival: {pattern: interval, interval_ms: 250}\n\
+         hop_timeout_s: 20\nrequest_timeout_s: 60\nrequests:\n  - case: text_short\n    repeat: 80\n",
         "killed-on-node",
     )
     .unwrap()
     .with_transport(transport);
     s.kill_stage = Some(omnirig_harness::scenario::KillStage {
         stage: "talker".into(),
-        after_ms: 4000,
+        after_ms: 8000,
     });
     let t = std::time::Instant::now();
     let r = Runner::new(s)
@@ -155,7 +156,7 @@ async fn faults_on_the_cluster() {
         r.summary_text().lines().next().unwrap_or(""),
         t.elapsed()
     );
-    assert_eq!(r.requests.len(), 40);
+    assert_eq!(r.requests.len(), 80);
     assert!(
         r.summary.failed > 0,
         "nothing failed although the talker was killed"
@@ -412,6 +413,33 @@ fn evidence_collects_facts_measures_tcp_and_says_why_for_the_rest() {
     {
         assert_eq!(p["ran"], false, "{p}");
         assert!(p["why_not"].as_str().is_some_and(|w| !w.is_empty()), "{p}");
+    }
+    // Each path that could not run names its reason: node-a has no netdev, no node rdma.
+    let why = |label: &str| {
+        paths
+            .iter()
+            .chain(ev["baselines"].as_array().unwrap())
+            .find(|p| p["label"].as_str().is_some_and(|l| l.starts_with(label)))
+            .and_then(|p| p["why_not"].as_str())
+            .unwrap_or_else(|| panic!("no why_not for {label}"))
+            .to_owned()
+    };
+    assert!(why("TCP over").contains("node-a names no netdev"));
+    assert!(why("RDMA from").contains("no rdma section"));
+    assert!(why("GPUDirect").contains("cuda"));
+    assert!(why("ib_write_bw").contains("no rdma section"));
+    // The tcp run's plots: bandwidth per hop against size, the latency CDF per hop.
+    for f in [
+        "evidence-bandwidth.png",
+        "evidence-bandwidth.svg",
+        "evidence-latency-cdf.png",
+        "evidence-latency-cdf.svg",
+    ] {
+        assert!(
+            ev["plots"].as_array().unwrap().iter().any(|p| p == f),
+            "{f}"
+        );
+        assert!(out.join(f).metadata().unwrap().len() > 1000, "{f}");
     }
     let md = std::fs::read_to_string(out.join("evidence.md")).unwrap();
     assert!(

@@ -876,20 +876,25 @@ fn markdown(ev: &Evidence) -> String {
         for l in &p.engine_log {
             let _ = writeln!(
                 s,
-                "\n  engine log on {} ({} rdma lines; first and last):\n",
+                "\n  engine log on {} ({} rdma lines; one of each kind):\n",
                 l.node,
                 l.lines.len()
             );
-            let shown: Vec<&String> = if l.lines.len() > 4 {
-                l.lines[..2]
-                    .iter()
-                    .chain(&l.lines[l.lines.len() - 2..])
-                    .collect()
-            } else {
-                l.lines.iter().collect()
-            };
-            for line in shown {
-                let _ = writeln!(s, "      {}", line.trim());
+            let mut shown = 0;
+            for kind in [
+                "engine serves its memory",
+                "selected device, port and GID",
+                "accepted a queue pair",
+            ] {
+                if let Some(line) = l.lines.iter().find(|x| x.contains(kind)) {
+                    let _ = writeln!(s, "      {}", line.trim());
+                    shown += 1;
+                }
+            }
+            if shown == 0 {
+                for line in l.lines.iter().take(3) {
+                    let _ = writeln!(s, "      {}", line.trim());
+                }
             }
         }
         let _ = writeln!(s);
