@@ -26,6 +26,10 @@ pub enum TransportKind {
     /// Engines on hosts with an RDMA device: one-sided verbs into fenced grants (cargo feature
     /// `rdma`; a build without it refuses to start this transport, naming the feature).
     Rdma,
+    /// Engines of one host with CUDA GPUs: the grant owner copies device to device (CUDA IPC
+    /// across processes, peer copies between GPUs) under the grant's fence (cargo feature
+    /// `cuda`; a build without it refuses to start this transport, naming the feature).
+    Cuda,
 }
 
 impl TransportKind {
@@ -33,6 +37,7 @@ impl TransportKind {
     /// (same process, same host, an RDMA fabric, anywhere).
     pub const ALL: &'static [TransportKind] = &[
         TransportKind::Loopback,
+        TransportKind::Cuda,
         TransportKind::Shm,
         TransportKind::Rdma,
         TransportKind::Tcp,
@@ -45,6 +50,7 @@ impl TransportKind {
             TransportKind::Tcp => "tcp",
             TransportKind::Shm => "shm",
             TransportKind::Rdma => "rdma",
+            TransportKind::Cuda => "cuda",
         }
     }
 
