@@ -73,8 +73,11 @@ pub trait DeviceMemory: Send + Sync + 'static {
     /// overlap.
     unsafe fn copy_raw(&self, dst: usize, src: usize, len: usize) -> Result<()>;
 
-    /// The pinned host buffers transports stage this device's memory through.
-    fn staging(&self) -> &Arc<crate::staging::StagingPool>;
+    /// The pinned host buffers transports stage this device's memory through: `outbound` for
+    /// bytes leaving device memory (sends), else for bytes landing in it. Two pools, so a
+    /// receiver never waits for a buffer a sender holds while that sender waits for the
+    /// receiver to read (engines of one process share a device's pools).
+    fn staging(&self, outbound: bool) -> &Arc<crate::staging::StagingPool>;
 }
 
 /// A span of registered memory: host memory, or GPU memory behind a [`DeviceMemory`].

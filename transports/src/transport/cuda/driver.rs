@@ -21,9 +21,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{DeviceMemory, PAGE_SIZE, Region};
 use crate::staging::StagingPool;
 
-/// Pinned buffers per device staging pool, and their size: 32 x 1 MiB holds every tcp slice
-/// (512 KiB by default) of several transfers in flight.
-pub const STAGING_SLOTS: usize = 32;
+/// Pinned buffers per device staging pool (one pool per direction), and their size: 16 x 1 MiB
+/// holds every tcp slice (512 KiB by default) of several transfers in flight.
+pub const STAGING_SLOTS: usize = 16;
 pub const STAGING_SLOT_SIZE: usize = 1 << 20;
 
 fn cuda_err(what: &str, e: cu::DriverError) -> Error {
@@ -74,7 +74,7 @@ pub struct Gpu {
     name: String,
     uuid: [u8; 16],
     lanes: Mutex<Vec<Lane>>,
-    staging: OnceLock<Arc<StagingPool>>,
+    staging: [OnceLock<Arc<StagingPool>>; 2],
 }
 
 // SAFETY: the context handle is process-wide (primary context, retained for the process's
@@ -123,7 +123,7 @@ impl Gpu {
             name,
             uuid,
             lanes: Mutex::new(Vec::new()),
-            staging: OnceLock::new(),
+            staging: [OnceLock::new(), OnceLock::new()],
         });
         open.insert(ordinal, gpu.clone());
         Ok(gpu)
@@ -296,12 +296,13 @@ impl Gpu {
         unsafe { Region::from_backing(ptr, len, host) }
     }
 
-    /// This device's staging pool (pinned buffers), made on first use.
-    pub fn staging_pool(&self) -> &Arc<StagingPool> {
-        self.staging.get_or_init(|| {
+    /// This device's staging pool (pinned buffers) for one direction, made on first use.
+    pub fn staging_pool(&self, outbound: bool) -> &Arc<StagingPool> {
+        self.staging[outbound as usize].get_or_init(|| {
             let ordinal = self.ordinal;
+            let dir = if outbound { "outbound" } else { "inbound" };
             StagingPool::new(
-                format!("cuda:{ordinal} staging"),
+                format!("cuda:{ordinal} {dir} staging"),
                 STAGING_SLOTS,
                 STAGING_SLOT_SIZE,
                 Box::new(move |n| Gpu::open(ordinal)?.allocate_pinned(n)),
@@ -344,8 +345,8 @@ impl DeviceMemory for Gpu {
         unsafe { self.copy(dst as u64, src as u64, len) }
     }
 
-    fn staging(&self) -> &Arc<StagingPool> {
-        self.staging_pool()
+    fn staging(&self, outbound: bool) -> &Arc<StagingPool> {
+        self.staging_pool(outbound)
     }
 }
 

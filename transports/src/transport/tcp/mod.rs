@@ -195,7 +195,7 @@ async fn send_from(
     let Some(dev) = region.device() else {
         return send_host(stream, head, region, offset, len, fence).await;
     };
-    let pool = dev.staging().clone();
+    let pool = dev.staging(true).clone();
     let stage_err = |e: Error| Stop::Io(io::Error::other(e.to_string()));
     let (mut head, mut done) = (head, 0u64);
     while done < len || !head.is_empty() {
@@ -278,7 +278,7 @@ async fn recv_into(
     let Some(dev) = region.device() else {
         return recv_host(stream, region, offset, len, fence, spin).await;
     };
-    let pool = dev.staging().clone();
+    let pool = dev.staging(false).clone();
     let stage_err = |e: Error| Stop::Io(io::Error::other(e.to_string()));
     let mut done = 0u64;
     while done < len {
