@@ -301,6 +301,7 @@ const CHILD: &str = "OMNIRIG_CUDA_CHILD";
 async fn ipc_child() {
     let Ok(n) = std::env::var(CHILD) else { return };
     let n: u64 = n.parse().unwrap();
+    eprintln!("[ipc child] start");
     let e = Engine::new(
         EngineConfig::for_kind(unique("owner"), TransportKind::Cuda).with(CudaConfig {
             memory: CudaMemory::Device,
@@ -309,6 +310,7 @@ async fn ipc_child() {
     )
     .await
     .unwrap();
+    eprintln!("[ipc child] engine up");
     let dst = e.allocate(n + 8192).unwrap();
     dst.write(0, &vec![CANARY; (n + 8192) as usize]).unwrap();
     let g = e.grant(&dst, 4096, n, Access::Write).unwrap();
@@ -336,6 +338,39 @@ async fn ipc_child() {
     println!("AFTER unchanged={}", again == got);
 }
 
+/// The child's stdout, line by line, with a deadline per line; the child is killed on drop,
+/// so a stuck child fails the test instead of hanging it.
+struct ChildLines {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl ChildLines {
+    fn next_with(&self, prefix: &str) -> String {
+        loop {
+            match self.lines.recv_timeout(Duration::from_secs(60)) {
+                Ok(l) => {
+                    if let Some(rest) = l.strip_prefix(prefix) {
+                        return rest.trim().to_string();
+                    }
+                }
+                Err(e) => panic!("the child printed no {prefix:?} line: {e}"),
+            }
+        }
+    }
+}
+
+impl Drop for ChildLines {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn step(what: &str) {
+    let _ = writeln!(std::io::stderr(), "[ipc parent] {what}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_transport_writes_into_another_processs_gpu_memory_and_revoke_fences_it() {
     let Some(gpu) = gpu() else { return };
@@ -350,15 +385,19 @@ async fn cuda_transport_writes_into_another_processs_gpu_memory_and_revoke_fence
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let out = BufReader::new(child.stdout.take().unwrap());
     let mut stdin = child.stdin.take().unwrap();
-    let ready = loop {
-        let mut l = String::new();
-        assert!(out.read_line(&mut l).unwrap() > 0, "child exited early");
-        if let Some(rest) = l.strip_prefix("READY ") {
-            break rest.trim().to_string();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in out.lines().map_while(|l| l.ok()) {
+            if tx.send(l).is_err() {
+                break;
+            }
         }
-    };
+    });
+    let child = ChildLines { child, lines: rx };
+    let ready = child.next_with("READY ");
+    step("child ready");
     let (addr, grant) = ready.split_once(' ').unwrap();
     let g: Grant = serde_json::from_str(grant).unwrap();
     let a = Engine::new(
@@ -370,39 +409,33 @@ async fn cuda_transport_writes_into_another_processs_gpu_memory_and_revoke_fence
     .await
     .unwrap();
     let info = a.connect_addr(addr.parse().unwrap()).await.unwrap();
+    step(&format!("connected: {info:?}"));
     assert_eq!(info.transport, TransportKind::Cuda);
     assert!(info.device.contains("CUDA IPC"), "{info:?}");
     let src = a.allocate(n + 4096).unwrap();
     src.write(100, &pattern(n, n as usize)).unwrap();
-    a.transfer(vec![Request::write(&src, 100, &g, 0, n)], T)
-        .await
-        .unwrap();
+    a.transfer(
+        vec![Request::write(&src, 100, &g, 0, n)],
+        Some(Duration::from_secs(20)),
+    )
+    .await
+    .unwrap();
+    step("written");
     writeln!(stdin, "revoke").unwrap();
-    let done = loop {
-        let mut l = String::new();
-        assert!(out.read_line(&mut l).unwrap() > 0, "child exited early");
-        if let Some(rest) = l.strip_prefix("DONE ") {
-            break rest.trim().to_string();
-        }
-    };
-    assert_eq!(done, "inside=true outside=true");
+    assert_eq!(child.next_with("DONE "), "inside=true outside=true");
     // The owner revoked: a late write is refused and nothing lands.
     src.write(100, &pattern(n + 1, n as usize)).unwrap();
     let e = a
-        .transfer(vec![Request::write(&src, 100, &g, 0, n)], T)
+        .transfer(
+            vec![Request::write(&src, 100, &g, 0, n)],
+            Some(Duration::from_secs(20)),
+        )
         .await
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
+    step("late write refused");
     writeln!(stdin, "check").unwrap();
-    let after = loop {
-        let mut l = String::new();
-        assert!(out.read_line(&mut l).unwrap() > 0, "child exited early");
-        if let Some(rest) = l.strip_prefix("AFTER ") {
-            break rest.trim().to_string();
-        }
-    };
-    assert_eq!(after, "unchanged=true");
-    assert!(child.wait().unwrap().success());
+    assert_eq!(child.next_with("AFTER "), "unchanged=true");
     assert_idle(&gpu, &a).await;
 }
 

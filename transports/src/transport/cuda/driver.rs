@@ -129,6 +129,17 @@ impl Gpu {
         Ok(gpu)
     }
 
+    /// The GPU of this machine with this UUID, if there is one.
+    pub fn by_uuid(uuid: &[u8]) -> Result<Option<Arc<Gpu>>> {
+        for i in 0..device_count()? {
+            let g = Gpu::open(i)?;
+            if g.uuid[..] == *uuid {
+                return Ok(Some(g));
+            }
+        }
+        Ok(None)
+    }
+
     pub fn ordinal(&self) -> u32 {
         self.ordinal
     }

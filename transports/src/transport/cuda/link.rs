@@ -16,6 +16,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
@@ -37,6 +38,38 @@ const REPLY_LEN: usize = 16;
 const MAX_DETAIL: usize = 4096;
 /// Initiator allocations one connection keeps mapped.
 pub const MAX_MAPPINGS: usize = 256;
+/// How long the owner polls for a connection's next request before it blocks, and the
+/// initiator for a reply: thread wakeups cost tens of microseconds, a device copy of a slice
+/// about as much.
+const SERVER_SPIN: Duration = Duration::from_micros(50);
+const REPLY_SPIN: Duration = Duration::from_micros(500);
+
+/// `read_exact`, polling without blocking for up to `spin` first, then blocking (with the
+/// socket's read timeout) for the rest.
+fn read_exact_polled(s: &mut UnixStream, buf: &mut [u8], spin: Duration) -> io::Result<()> {
+    let mut got = 0;
+    if !spin.is_zero() {
+        s.set_nonblocking(true)?;
+        let start = Instant::now();
+        while got < buf.len() && start.elapsed() < spin {
+            match s.read(&mut buf[got..]) {
+                Ok(0) => {
+                    s.set_nonblocking(false)?;
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    s.set_nonblocking(false)?;
+                    return Err(e);
+                }
+            }
+        }
+        s.set_nonblocking(false)?;
+    }
+    s.read_exact(&mut buf[got..])
+}
 
 /// This process, for endpoints: a random id (pids repeat across namespaces and restarts).
 fn process_id() -> u64 {
@@ -150,8 +183,7 @@ fn encode_reply(req_id: u64, result: &Result<()>) -> Vec<u8> {
 /// Reads one reply for `req_id`: the status as a result, the detail as its message.
 fn read_reply(s: &mut UnixStream, req_id: u64) -> Result<Result<()>> {
     let mut h = [0u8; REPLY_LEN];
-    s.read_exact(&mut h)
-        .map_err(|e| io_err(e, "reading a reply"))?;
+    read_exact_polled(s, &mut h, REPLY_SPIN).map_err(|e| io_err(e, "reading a reply"))?;
     let id = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
     let status = u16::from_le_bytes([h[8], h[9]]);
     let n = u16::from_le_bytes([h[10], h[11]]) as usize;
@@ -320,7 +352,7 @@ fn serve(mut conn: UnixStream, adm: Admission, gpu: Arc<Gpu>, same_process: bool
     };
     let mut buf = [0u8; REQUEST_LEN];
     loop {
-        if conn.read_exact(&mut buf).is_err() {
+        if read_exact_polled(&mut conn, &mut buf, SERVER_SPIN).is_err() {
             return;
         }
         let req = match Request::decode(&buf) {
@@ -484,12 +516,22 @@ impl Transport for CudaTransport {
             } else {
                 "CUDA IPC"
             };
-            let device = format!(
-                "{} -> {} ({path}{})",
-                gpu.describe(),
-                ep.socket,
-                if same_gpu { ", same GPU" } else { ", peer GPU" }
-            );
+            // Two GPUs of this host: let each address the other's memory where the hardware
+            // allows (NVLink or PCIe peer copies); otherwise the driver copies through host.
+            let gpus = if same_gpu {
+                "same GPU".to_string()
+            } else {
+                match Gpu::by_uuid(&ep.gpu)? {
+                    Some(other) if gpu.can_access_peer(&other)? => {
+                        gpu.enable_peer(&other)?;
+                        other.enable_peer(&gpu)?;
+                        format!("peer copy to cuda:{}", other.ordinal())
+                    }
+                    Some(other) => format!("cuda:{} without peer access", other.ordinal()),
+                    None => "a GPU this process cannot see".to_string(),
+                }
+            };
+            let device = format!("{} -> {} ({path}, {gpus})", gpu.describe(), ep.socket);
             let link = CudaLink(Arc::new(LinkInner {
                 socket: ep.socket.clone(),
                 same_process: ep.process == process,

@@ -63,8 +63,8 @@ impl Default for CudaConfig {
         Self {
             device: 0,
             memory: CudaMemory::Device,
-            slice_size: 16 << 20,
-            streams: 4,
+            slice_size: 8 << 20,
+            streams: 8,
             slice_deadline: Duration::from_secs(60),
         }
     }
