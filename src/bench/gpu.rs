@@ -70,9 +70,21 @@ fn gpu_engine_config(
         .with(CudaConfig {
             device,
             memory,
+            slice_size: env_or("OMNIRIG_CUDA_SLICE_SIZE", CudaConfig::default().slice_size),
+            streams: env_or("OMNIRIG_CUDA_STREAMS", CudaConfig::default().streams as u64) as usize,
             ..CudaConfig::default()
         })
         .policy(omnirig_transports::TransportPolicy::Only(kind))
+}
+
+/// A cuda transport setting for the benchmark from the environment (bytes or a count), else
+/// the transport's default: slice size and streams trade per-slice overhead against overlap.
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| super::parse_sizes(&v).ok())
+        .and_then(|v| v.first().copied())
+        .unwrap_or(default)
 }
 
 /// Checks the destination holds `byte` over `len`, reading it back once.
@@ -97,6 +109,14 @@ pub async fn rows(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         g0.enable_peer(&g1)?;
         g1.enable_peer(&g0)?;
     }
+    progress(&format!(
+        "cuda slices {} x {} in flight",
+        human_size(env_or(
+            "OMNIRIG_CUDA_SLICE_SIZE",
+            CudaConfig::default().slice_size
+        )),
+        env_or("OMNIRIG_CUDA_STREAMS", CudaConfig::default().streams as u64)
+    ));
     progress(&format!(
         "{} -> {} ({})",
         g0.name(),

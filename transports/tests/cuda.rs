@@ -349,8 +349,9 @@ impl ChildLines {
     fn next_with(&self, prefix: &str) -> String {
         loop {
             match self.lines.recv_timeout(Duration::from_secs(60)) {
+                // libtest prints the child's test name without a newline before its output.
                 Ok(l) => {
-                    if let Some(rest) = l.strip_prefix(prefix) {
+                    if let Some((_, rest)) = l.split_once(prefix) {
                         return rest.trim().to_string();
                     }
                 }
