@@ -483,3 +483,82 @@ fn device_memory_exports_as_a_dmabuf_for_gpudirect_rdma() {
         ErrorKind::Resource
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_cuda_request_is_answered_and_closes_only_its_connection() {
+    use omnirig_transports::transport::cuda::CudaEndpoint;
+    use std::io::Read;
+    use std::os::linux::net::SocketAddrExt;
+    let Some(gpu) = gpu() else { return };
+    let (a, b) = gpu_engines("cuda", CudaMemory::Device).await;
+    let ep = CudaEndpoint::of(&b.descriptor()).unwrap().unwrap();
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(ep.socket.as_bytes()).unwrap();
+    let mut s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut junk = [0u8; 128];
+    junk[..4].copy_from_slice(b"OMCU");
+    junk[4] = 9; // a version nobody speaks
+    s.write_all(&junk).unwrap();
+    let mut head = [0u8; 16];
+    s.read_exact(&mut head).unwrap();
+    let status = u16::from_le_bytes([head[8], head[9]]);
+    assert_eq!(status, ErrorKind::Malformed.code());
+    let mut detail = vec![0u8; u16::from_le_bytes([head[10], head[11]]) as usize];
+    s.read_exact(&mut detail).unwrap();
+    let detail = String::from_utf8(detail).unwrap();
+    assert!(detail.contains("version 9"), "{detail}");
+    let mut rest = Vec::new();
+    assert_eq!(
+        s.read_to_end(&mut rest).unwrap(),
+        0,
+        "the connection closes"
+    );
+    // The engine keeps serving everyone else.
+    let src = a.allocate(1 << 20).unwrap();
+    src.write(0, &pattern(3, 1 << 20)).unwrap();
+    let dst = b.allocate(1 << 20).unwrap();
+    let g = b.grant(&dst, 0, 1 << 20, Access::Write).unwrap();
+    a.transfer(vec![Request::write(&src, 0, &g, 0, 1 << 20)], T)
+        .await
+        .unwrap();
+    b.revoke(&g);
+    let mut got = vec![0u8; 1 << 20];
+    dst.read(0, &mut got).unwrap();
+    assert!(got == pattern(3, 1 << 20));
+    assert_idle(&gpu, &a).await;
+    assert_idle(&gpu, &b).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_shut_down_fails_the_transfer_promptly_naming_why() {
+    let Some(gpu) = gpu() else { return };
+    let (a, b) = gpu_engines("cuda", CudaMemory::Device).await;
+    let src = a.allocate(4 << 20).unwrap();
+    let dst = b.allocate(4 << 20).unwrap();
+    let g = b.grant(&dst, 0, 4 << 20, Access::Write).unwrap();
+    a.transfer(vec![Request::write(&src, 0, &g, 0, 4 << 20)], T)
+        .await
+        .unwrap();
+    b.shutdown();
+    let t = std::time::Instant::now();
+    let e = a
+        .transfer(vec![Request::write(&src, 0, &g, 0, 4 << 20)], T)
+        .await
+        .unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        matches!(
+            e.kind(),
+            ErrorKind::GrantRevoked
+                | ErrorKind::PeerDisconnected
+                | ErrorKind::Unreachable
+                | ErrorKind::EngineClosed
+        ),
+        "{e}"
+    );
+    assert_idle(&gpu, &a).await;
+}
