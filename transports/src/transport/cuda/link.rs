@@ -254,7 +254,30 @@ fn abstract_addr(name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
 struct Server {
     socket: String,
     closed: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<UnixStream>>>,
+    conns: Conns,
+}
+
+/// The connections being served (a clone of each, so shutdown can end them), by number.
+type Conns = Arc<Mutex<HashMap<u64, UnixStream>>>;
+
+/// Ends one served connection when its thread returns, on every path: the peer sees it
+/// closed even though the server still held a clone, and the clone is released.
+struct Served {
+    conns: Conns,
+    id: u64,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(c) = self
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id)
+        {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
 }
 
 impl Server {
@@ -268,24 +291,27 @@ impl Server {
             .and_then(|a| UnixListener::bind_addr(&a))
             .map_err(|e| io_err(e, &format!("binding {socket}")))?;
         let closed = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<UnixStream>>> = Arc::default();
+        let conns: Conns = Arc::default();
         let (c, l) = (closed.clone(), conns.clone());
         std::thread::Builder::new()
             .name("cuda-accept".into())
             .spawn(move || {
-                for conn in listener.incoming() {
+                for (id, conn) in (0u64..).zip(listener.incoming()) {
                     if c.load(Ordering::Acquire) {
                         break;
                     }
                     let Ok(conn) = conn else { continue };
                     let same_process = peer_pid(&conn) == Some(std::process::id() as i32);
-                    if let Ok(k) = conn.try_clone() {
-                        l.lock().unwrap_or_else(|p| p.into_inner()).push(k);
-                    }
+                    let Ok(k) = conn.try_clone() else { continue };
+                    l.lock().unwrap_or_else(|p| p.into_inner()).insert(id, k);
+                    let served = Served {
+                        conns: l.clone(),
+                        id,
+                    };
                     let (adm, gpu) = (adm.clone(), gpu.clone());
                     let spawned = std::thread::Builder::new()
                         .name("cuda-serve".into())
-                        .spawn(move || serve(conn, adm, gpu, same_process));
+                        .spawn(move || serve(conn, adm, gpu, same_process, served));
                     if let Err(e) = spawned {
                         warn!(error = %e, "cuda transport: cannot start a connection thread");
                     }
@@ -311,7 +337,8 @@ impl Drop for Server {
             .conns
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
+            .drain()
+            .map(|(_, c)| c)
         {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
@@ -344,7 +371,7 @@ impl Mappings {
     }
 }
 
-fn serve(mut conn: UnixStream, adm: Admission, gpu: Arc<Gpu>, same_process: bool) {
+fn serve(mut conn: UnixStream, adm: Admission, gpu: Arc<Gpu>, same_process: bool, _served: Served) {
     let _counted = adm.connection();
     let mut maps = Mappings {
         open: HashMap::new(),
