@@ -2,6 +2,8 @@
 //! (`rows` with `omnirig`, `baseline`, `ratio`), and the printed table.
 
 pub mod cpus;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod hop;
 pub mod peer;
 pub mod pipeline;

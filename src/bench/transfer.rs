@@ -45,6 +45,13 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
         TransportKind::Rdma => rt.block_on(in_process(o, max, TransportKind::Rdma))?,
         TransportKind::Tcp => rt.block_on(tcp(o, max))?,
         TransportKind::Shm => rt.block_on(shm(o, max))?,
+        // GPU buffers (docs/gpu.md): the cuda transport and staging against CUDA copies.
+        #[cfg(feature = "cuda")]
+        TransportKind::Cuda => rt.block_on(super::gpu::rows(o, max))?,
+        #[cfg(not(feature = "cuda"))]
+        TransportKind::Cuda => {
+            bail!("this build has no cuda transport (build with `--features cuda`)")
+        }
     };
     Ok(Results {
         suite: "transfer".into(),
@@ -372,6 +379,11 @@ pub fn verdicts(r: &Results) -> Vec<String> {
              8-byte write <= 1.3x ib_write_lat) are checked by ci/rdma-bench.sh"
                 .to_string(),
         );
+        return out;
+    }
+    if kind == Some(TransportKind::Cuda) {
+        #[cfg(feature = "cuda")]
+        out.extend(super::gpu::verdicts(&r.rows));
         return out;
     }
     if kind == Some(TransportKind::Shm) {

@@ -759,6 +759,12 @@ impl Engine {
         self.add_buffer(region)
     }
 
+    /// Registers a region made elsewhere (GPU memory from `transport::cuda::driver::Gpu`,
+    /// pinned host memory), the same way [`Engine::allocate`] registers its own.
+    pub fn register(&self, region: Region) -> Result<Buffer> {
+        self.add_buffer(region)
+    }
+
     /// Registers caller-owned memory.
     ///
     /// # Safety

@@ -18,6 +18,7 @@ pub mod grant;
 pub mod memory;
 pub mod metadata;
 pub mod segment;
+pub mod staging;
 pub mod transport;
 
 pub use batch::{Batch, TaskState};
@@ -28,6 +29,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use grant::{Access, Grant, GrantKey};
 pub use metadata::{InProcessStore, MetadataStore};
 pub use segment::{Endpoint, SegmentDescriptor};
+pub use transport::cuda::{CudaConfig, CudaMemory};
 pub use transport::fault::{FaultInjector, FaultKind, FaultPoint, FaultRule};
 pub use transport::loopback::LoopbackConfig;
 pub use transport::rdma::RdmaConfig;

@@ -1,5 +1,10 @@
 //! Registered memory: the one place that touches raw bytes.
 //!
+//! A region is host memory, or GPU memory (cargo feature `cuda`): a device region's address is
+//! never dereferenced on the host; every access goes through its [`DeviceMemory`] (device
+//! copies), and the transports that need host bytes stage through pinned memory
+//! ([`crate::staging`]).
+//!
 //! A [`Region`] is a page-aligned span of host memory the engine owns (allocated here) or
 //! adopts (the caller's, under the rules on [`Region::adopt`]). Peers write into it like a NIC
 //! writes into DMA memory, so the engine never hands out Rust references into a region that
@@ -42,7 +47,40 @@ enum Owner {
     Backed(Box<dyn Any + Send + Sync>),
 }
 
-/// A span of registered host memory.
+/// Copies for memory the host cannot dereference (GPU memory), implemented by the device's
+/// driver layer (`transport::cuda`). A device region holds one and routes every access to it.
+pub trait DeviceMemory: Send + Sync + 'static {
+    /// The device, for logs and errors: `cuda:0 (NVIDIA H200)`.
+    fn describe(&self) -> String;
+
+    /// Copies `src` to the device address `dst`.
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` is live memory of this device.
+    unsafe fn copy_in(&self, dst: usize, src: &[u8]) -> Result<()>;
+
+    /// Copies from the device address `src` into `dst`.
+    ///
+    /// # Safety
+    /// `src..src+dst.len()` is live memory of this device.
+    unsafe fn copy_out(&self, src: usize, dst: &mut [u8]) -> Result<()>;
+
+    /// Copies `len` bytes between two addresses of the unified address space, at least one of
+    /// them this device's (device to device, device to host, host to device).
+    ///
+    /// # Safety
+    /// Both ranges are live memory (host or device) for the duration of the call, and do not
+    /// overlap.
+    unsafe fn copy_raw(&self, dst: usize, src: usize, len: usize) -> Result<()>;
+
+    /// The pinned host buffers transports stage this device's memory through: `outbound` for
+    /// bytes leaving device memory (sends), else for bytes landing in it. Two pools, so a
+    /// receiver never waits for a buffer a sender holds while that sender waits for the
+    /// receiver to read (engines of one process share a device's pools).
+    fn staging(&self, outbound: bool) -> &Arc<crate::staging::StagingPool>;
+}
+
+/// A span of registered memory: host memory, or GPU memory behind a [`DeviceMemory`].
 pub struct Region {
     ptr: NonNull<u8>,
     len: usize,
@@ -50,6 +88,8 @@ pub struct Region {
     locked: bool,
     /// Who allocated it, if a transport's provider did: copies of it are made the same way.
     provider: Option<Arc<dyn MemoryProvider>>,
+    /// Set for GPU memory: `ptr` is a device address, never dereferenced here.
+    device: Option<Arc<dyn DeviceMemory>>,
 }
 
 // SAFETY: a Region is a pointer to memory that stays valid for its whole life (see the module
@@ -65,6 +105,7 @@ impl std::fmt::Debug for Region {
             .field("len", &self.len)
             .field("adopted", &matches!(self.owner, Owner::Caller(_)))
             .field("locked", &self.locked)
+            .field("device", &self.device.as_ref().map(|d| d.describe()))
             .finish()
     }
 }
@@ -131,6 +172,7 @@ impl Region {
                 owner: Owner::Engine(layout),
                 locked: false,
                 provider: None,
+                device: None,
             }
         };
         if lock {
@@ -182,6 +224,7 @@ impl Region {
             owner: Owner::Mapped { base, len: map_len },
             locked: false,
             provider: None,
+            device: None,
         })
     }
 
@@ -225,6 +268,7 @@ impl Region {
             owner: Owner::Caller(Some(Box::new(release))),
             locked: false,
             provider: None,
+            device: None,
         })
     }
 
@@ -263,6 +307,10 @@ impl Region {
     /// Copies `src` into the region at `offset`.
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<()> {
         let (off, len) = self.check(offset, src.len() as u64)?;
+        if let Some(dev) = &self.device {
+            // SAFETY: off+len is inside this device region (checked).
+            return unsafe { dev.copy_in(self.addr() + off, src) };
+        }
         // SAFETY: off+len is inside the region (checked), src is a separate live slice.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), len) };
         Ok(())
@@ -271,25 +319,71 @@ impl Region {
     /// Copies from the region at `offset` into `dst`.
     pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         let (off, len) = self.check(offset, dst.len() as u64)?;
+        if let Some(dev) = &self.device {
+            // SAFETY: off+len is inside this device region (checked).
+            return unsafe { dev.copy_out(self.addr() + off, dst) };
+        }
         // SAFETY: off+len is inside the region (checked), dst is a separate live slice.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), len) };
         Ok(())
     }
 
-    /// Copies `len` bytes from `self` at `src_off` to `dst` at `dst_off` (a local memcpy; the
-    /// loopback transport's data path). Overlap within one region is allowed.
+    /// Copies `len` bytes from `self` at `src_off` to `dst` at `dst_off` (a local memcpy, or a
+    /// device copy when either side is GPU memory; the loopback transport's data path).
+    /// Overlap within one region is allowed.
     pub fn copy_to(&self, src_off: u64, dst: &Region, dst_off: u64, len: u64) -> Result<()> {
         let (s, n) = self.check(src_off, len)?;
         let (d, _) = dst.check(dst_off, len)?;
+        if let Some(dev) = self.device.as_ref().or(dst.device.as_ref()) {
+            if n == 0 {
+                return Ok(());
+            }
+            let same = std::ptr::eq(self, dst);
+            if same && s.abs_diff(d) < n {
+                // Device copies do not allow overlap: go through the host once.
+                let mut tmp = vec![0u8; n];
+                self.read(src_off, &mut tmp)?;
+                return dst.write(dst_off, &tmp);
+            }
+            // SAFETY: both ranges are inside live regions (checked), host or device memory of
+            // the unified address space, and they do not overlap (different regions, or
+            // disjoint ranges of one).
+            return unsafe { dev.copy_raw(dst.addr() + d, self.addr() + s, n) };
+        }
         // SAFETY: both ranges are inside their regions (checked); `copy` tolerates overlap,
         // which can only happen when both are the same region.
         unsafe { std::ptr::copy(self.ptr.as_ptr().add(s), dst.ptr.as_ptr().add(d), n) };
         Ok(())
     }
 
+    /// The device behind a GPU region; `None` for host memory.
+    pub fn device(&self) -> Option<&Arc<dyn DeviceMemory>> {
+        self.device.as_ref()
+    }
+
+    /// Whether this is GPU memory (not addressable by the host).
+    pub fn is_device(&self) -> bool {
+        self.device.is_some()
+    }
+
+    fn host_only(&self) -> Result<()> {
+        match &self.device {
+            None => Ok(()),
+            Some(d) => Err(Error::new(
+                ErrorKind::Resource,
+                format!(
+                    "a {} byte region in GPU memory ({}) cannot be touched by the host: stage it through pinned memory",
+                    self.len,
+                    d.describe()
+                ),
+            )),
+        }
+    }
+
     /// Lends `offset..offset+len` as a slice for the span of `f`: one system call that sends
-    /// from registered memory. `f` must not keep the slice.
+    /// from registered memory. `f` must not keep the slice. Host memory only.
     pub fn with_slice<R>(&self, offset: u64, len: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.host_only()?;
         let (off, len) = self.check(offset, len)?;
         // SAFETY: inside the region (checked); the borrow ends with `f`.
         let s = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) };
@@ -297,13 +391,14 @@ impl Region {
     }
 
     /// Lends `offset..offset+len` mutably for the span of `f`: one system call that receives
-    /// straight into registered memory. `f` must not keep the slice.
+    /// straight into registered memory. `f` must not keep the slice. Host memory only.
     pub fn with_mut_slice<R>(
         &self,
         offset: u64,
         len: u64,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R> {
+        self.host_only()?;
         let (off, len) = self.check(offset, len)?;
         // SAFETY: inside the region (checked); the borrow ends with `f`. Grants keep other
         // writers off this range in correct use (see module docs for the racy case).
@@ -338,7 +433,31 @@ impl Region {
             owner: Owner::Backed(Box::new(backing)),
             locked: false,
             provider: None,
+            device: None,
         })
+    }
+
+    /// Wraps GPU memory a device layer allocated: `addr` is a device address, accessed only
+    /// through `device`.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be memory of `device` that stays allocated for as long as
+    /// `backing` lives (the region drops `backing` exactly once, after its last use), accessed
+    /// by nothing else except through this region (or, for memory shared with peers, under
+    /// grants).
+    pub unsafe fn from_device(
+        addr: usize,
+        len: usize,
+        device: Arc<dyn DeviceMemory>,
+        backing: impl Any + Send + Sync,
+    ) -> Result<Self> {
+        let ptr = NonNull::new(addr as *mut u8)
+            .ok_or_else(|| Error::new(ErrorKind::InvalidLength, "null device address"))?;
+        // SAFETY: forwarded contract; the pointer is never dereferenced on the host because
+        // `device` is set below before anyone can use the region.
+        let mut region = unsafe { Self::from_backing(ptr, len, backing) }?;
+        region.device = Some(device);
+        Ok(region)
     }
 
     /// The backing a provider gave [`Region::from_backing`], if it is a `T`.
@@ -363,8 +482,12 @@ impl Region {
         }
     }
 
-    /// Locks the pages in RAM (mlock), best effort; returns whether they are locked.
+    /// Locks the pages in RAM (mlock), best effort; returns whether they are locked. GPU
+    /// memory is never paged out: nothing to lock.
     pub fn lock_pages(&mut self) -> bool {
+        if self.device.is_some() {
+            return false;
+        }
         if !self.locked {
             self.locked = self.mlock();
         }
@@ -374,10 +497,18 @@ impl Region {
     /// The address of `offset..offset+len`, bounds-checked, for transports that copy with
     /// raw pointers (another process's mapping, a device). Valid while the region lives.
     pub fn range_ptr(&self, offset: u64, len: u64) -> Result<*mut u8> {
+        self.host_only()?;
         let (off, _) = self.check(offset, len)?;
         // SAFETY: off <= len of the allocation (checked), so the result stays in bounds (or one
         // past its end for an empty range at the end).
         Ok(unsafe { self.ptr.as_ptr().add(off) })
+    }
+
+    /// The address of `offset..offset+len`, bounds-checked, as a number: host or device memory
+    /// (device copies take either). Valid while the region lives.
+    pub fn range_addr(&self, offset: u64, len: u64) -> Result<u64> {
+        let (off, _) = self.check(offset, len)?;
+        Ok((self.addr() + off) as u64)
     }
 
     fn mlock(&self) -> bool {

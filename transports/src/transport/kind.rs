@@ -26,16 +26,21 @@ pub enum TransportKind {
     /// Engines on hosts with an RDMA device: one-sided verbs into fenced grants (cargo feature
     /// `rdma`; a build without it refuses to start this transport, naming the feature).
     Rdma,
+    /// Engines of one host with CUDA GPUs: the grant owner copies device to device (CUDA IPC
+    /// across processes, peer copies between GPUs) under the grant's fence (cargo feature
+    /// `cuda`; a build without it refuses to start this transport, naming the feature).
+    Cuda,
 }
 
 impl TransportKind {
-    /// Every kind this build knows, in order of preference when several reach a peer
-    /// (same process, same host, an RDMA fabric, anywhere).
+    /// Every kind this build knows, in order of preference when several reach a peer (same
+    /// process, same host, an RDMA fabric, anywhere), but for cuda (see [`Self::preference`]).
     pub const ALL: &'static [TransportKind] = &[
         TransportKind::Loopback,
         TransportKind::Shm,
         TransportKind::Rdma,
         TransportKind::Tcp,
+        TransportKind::Cuda,
     ];
 
     /// The kind's name, as written in scenarios, on the command line and in reports.
@@ -45,15 +50,24 @@ impl TransportKind {
             TransportKind::Tcp => "tcp",
             TransportKind::Shm => "shm",
             TransportKind::Rdma => "rdma",
+            TransportKind::Cuda => "cuda",
         }
     }
 
-    /// Rank in [`TransportKind::ALL`]: lower is preferred when several reach a peer.
+    /// Lower is preferred when several reach a peer: the order of [`TransportKind::ALL`],
+    /// except that cuda (listed last, after the kinds every build had) ranks right after
+    /// loopback: engines of one host with GPUs copy device to device.
     pub fn preference(self) -> usize {
-        Self::ALL
-            .iter()
-            .position(|&k| k == self)
-            .expect("every kind is in ALL")
+        match self {
+            TransportKind::Loopback => 0,
+            TransportKind::Cuda => 1,
+            k => {
+                1 + Self::ALL
+                    .iter()
+                    .position(|&x| x == k)
+                    .expect("every kind is in ALL")
+            }
+        }
     }
 
     /// Whether engines of two processes can use it (loopback cannot).
@@ -158,6 +172,10 @@ mod tests {
             assert!(e.to_string().contains(k.as_str()), "{e}");
         }
         assert!(e.to_string().contains("rdmaa"), "{e}");
+        let mut by_preference = TransportKind::ALL.to_vec();
+        by_preference.sort_by_key(|k| k.preference());
+        use TransportKind::*;
+        assert_eq!(by_preference, [Loopback, Cuda, Shm, Rdma, Tcp]);
         let bad = rmp_serde::to_vec("carrier pigeon").unwrap();
         let e = rmp_serde::from_slice::<TransportKind>(&bad).unwrap_err();
         assert!(e.to_string().contains("tcp"), "{e}");

@@ -23,6 +23,7 @@ use crate::memory::Region;
 use crate::segment::{Endpoint, SegmentDescriptor};
 pub use kind::TransportKind;
 
+pub mod cuda;
 pub mod fault;
 pub mod kind;
 pub mod loopback;
@@ -221,6 +222,7 @@ pub fn default_setup(kind: TransportKind) -> Arc<dyn TransportSetup> {
         TransportKind::Tcp => Arc::new(tcp::TcpConfig::default()),
         TransportKind::Shm => Arc::new(shm::ShmConfig::default()),
         TransportKind::Rdma => Arc::new(rdma::RdmaConfig::default()),
+        TransportKind::Cuda => Arc::new(cuda::CudaConfig::default()),
     }
 }
 

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 pub use omnirig_test_support::slices::Gate;
 use omnirig_transports::{
-    Engine, EngineConfig, InProcessStore, LoopbackConfig, RdmaConfig, ShmConfig, TcpConfig,
-    TransportKind, Usage,
+    CudaConfig, Engine, EngineConfig, InProcessStore, LoopbackConfig, RdmaConfig, ShmConfig,
+    TcpConfig, TransportKind, Usage,
 };
 
 /// Whether `transport` cannot run here (rdma built without its feature, or no RDMA device):
@@ -75,6 +75,10 @@ pub fn config(name: &str, transport: &str, store: &Arc<InProcessStore>) -> Engin
             TransportKind::Rdma => c.with(RdmaConfig {
                 slice_size: 1 << 20,
                 ..RdmaConfig::default()
+            }),
+            TransportKind::Cuda => c.with(CudaConfig {
+                slice_size: 1 << 20,
+                ..CudaConfig::default()
             }),
         };
     }

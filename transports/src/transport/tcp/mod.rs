@@ -182,9 +182,44 @@ enum Stop {
     Revoked(Error, u64),
 }
 
-/// Sends `head` then `len` bytes of `region` at `offset`, in as few system calls as possible.
-/// With a fence, each system call runs under a pin of that grant.
+/// Sends `head` then `len` bytes of `region` at `offset`. GPU memory is staged through the
+/// device's pinned pool ([`crate::staging`]), one slot at a time, each copy under the fence.
 async fn send_from(
+    stream: &TcpStream,
+    head: &[u8],
+    region: &Region,
+    offset: u64,
+    len: u64,
+    fence: Option<&Arc<GrantEntry>>,
+) -> std::result::Result<(), Stop> {
+    let Some(dev) = region.device() else {
+        return send_host(stream, head, region, offset, len, fence).await;
+    };
+    let pool = dev.staging(true).clone();
+    let stage_err = |e: Error| Stop::Io(io::Error::other(e.to_string()));
+    let (mut head, mut done) = (head, 0u64);
+    while done < len || !head.is_empty() {
+        let n = (len - done).min(pool.slot_size() as u64);
+        let staged = pool.acquire().await.map_err(stage_err)?;
+        {
+            let _pin = match fence {
+                Some(f) => Some(f.pin().map_err(|e| Stop::Revoked(e, len - done))?),
+                None => None,
+            };
+            region
+                .copy_to(offset + done, staged.region(), 0, n)
+                .map_err(stage_err)?;
+        }
+        send_host(stream, head, staged.region(), 0, n, None).await?;
+        head = &[];
+        done += n;
+    }
+    Ok(())
+}
+
+/// Sends `head` then `len` bytes of host `region` at `offset`, in as few system calls as
+/// possible. With a fence, each system call runs under a pin of that grant.
+async fn send_host(
     stream: &TcpStream,
     head: &[u8],
     region: &Region,
@@ -229,9 +264,43 @@ async fn send_from(
 /// same thread) keep moving meanwhile.
 const SPIN_PAYLOAD_MAX: u64 = 64 << 10;
 
-/// Receives `len` bytes straight into `region` at `offset`. With a fence, each `read` runs
-/// under a pin of that grant; once it is revoked, no further byte lands.
+/// Receives `len` bytes into `region` at `offset`. GPU memory is staged: each slot's worth
+/// lands in a pinned buffer, then is copied to the device under the fence, so once the grant
+/// is revoked no further byte reaches the device.
 async fn recv_into(
+    stream: &TcpStream,
+    region: &Region,
+    offset: u64,
+    len: u64,
+    fence: Option<&Arc<GrantEntry>>,
+    spin: Duration,
+) -> std::result::Result<(), Stop> {
+    let Some(dev) = region.device() else {
+        return recv_host(stream, region, offset, len, fence, spin).await;
+    };
+    let pool = dev.staging(false).clone();
+    let stage_err = |e: Error| Stop::Io(io::Error::other(e.to_string()));
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(pool.slot_size() as u64);
+        let staged = pool.acquire().await.map_err(stage_err)?;
+        recv_host(stream, staged.region(), 0, n, None, spin).await?;
+        let _pin = match fence {
+            Some(f) => Some(f.pin().map_err(|e| Stop::Revoked(e, len - done - n))?),
+            None => None,
+        };
+        staged
+            .region()
+            .copy_to(0, region, offset + done, n)
+            .map_err(stage_err)?;
+        done += n;
+    }
+    Ok(())
+}
+
+/// Receives `len` bytes straight into host `region` at `offset`. With a fence, each `read`
+/// runs under a pin of that grant; once it is revoked, no further byte lands.
+async fn recv_host(
     stream: &TcpStream,
     region: &Region,
     offset: u64,
