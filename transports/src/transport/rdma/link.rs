@@ -1038,6 +1038,8 @@ impl Shared {
 /// runtime thread in `execute`) before their completion wait moves to a blocking thread: a
 /// thread hand-off costs more than a small write's whole round trip.
 const INLINE_MAX: u64 = 64 << 10;
+/// `execute` (slices of batches, several may be on their way) spins only for slices this small.
+const SPIN_IN_EXECUTE_MAX: u64 = 4 << 10;
 const INLINE_SPIN: Duration = Duration::from_micros(200);
 
 fn fmt_gid(g: &[u8; 16]) -> std::net::Ipv6Addr {
@@ -1054,15 +1056,17 @@ enum Next {
     Explain(Error, Arc<Conn>),
 }
 
-/// Pumps a run just started for [`INLINE_SPIN`] on the caller's thread: `Err` holds the
-/// slice's outcome when it ended, `Ok` where it continues off the runtime thread.
+/// Pumps a run just started for `wait` on the caller's thread (posting what fits at once):
+/// `Err` holds the slice's outcome when it ended, `Ok` where it continues off the runtime
+/// thread.
 fn spin(
     this: &Shared,
     op: &SliceOp,
     started: Result<(Run, Arc<Conn>)>,
+    wait: Duration,
 ) -> std::result::Result<Next, Result<()>> {
     let (mut run, conn) = started.map_err(|e| Err(this.failed(e, op)))?;
-    match run.pump(Instant::now() + INLINE_SPIN, None) {
+    match run.pump(Instant::now() + wait, None) {
         Ok(true) => Err(Ok(())),
         Ok(false) => Ok(Next::Resume(run, conn)),
         Err(e) if e.kind() == ErrorKind::AccessDenied => Ok(Next::Explain(e, conn)),
@@ -1156,17 +1160,19 @@ impl Link for RdmaLink {
                 .acquire_owned()
                 .await
                 .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
-            // alone on the queue pair: spin for a small slice's completion right here
+            // posted right here, so a batch's slices go out back to back; alone on the queue
+            // pair, a latency-sized slice also spins for its completion here
             let alone = this.runs.available_permits() + 1 >= this.max_runs;
-            let next = match alone && op.len <= INLINE_MAX {
-                true => match this.start_ready(&op) {
-                    Some(started) => match spin(&this, &op, started) {
-                        Ok(next) => next,
-                        Err(done) => return done,
-                    },
-                    None => Next::Start,
+            let wait = match alone && op.len <= SPIN_IN_EXECUTE_MAX {
+                true => INLINE_SPIN,
+                false => Duration::ZERO,
+            };
+            let next = match this.start_ready(&op) {
+                Some(started) => match spin(&this, &op, started, wait) {
+                    Ok(next) => next,
+                    Err(done) => return done,
                 },
-                false => Next::Start,
+                None => Next::Start,
             };
             finish_off_thread(this, permit, next, op).await
         })
@@ -1184,7 +1190,7 @@ impl Link for RdmaLink {
         }
         let permit = this.runs.clone().try_acquire_owned().ok()?;
         let started = this.start_ready(op)?;
-        Some(match spin(&this, op, started) {
+        Some(match spin(&this, op, started, INLINE_SPIN) {
             Err(done) => Started::Done(done),
             Ok(next) => Started::Pending(finish_off_thread(this, permit, next, op.clone())),
         })

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -472,7 +472,14 @@ impl CompletionQueue {
     /// Polls until at least one completion arrives or `deadline` passes: a short spin, then
     /// arm the channel and sleep on its fd. Returns how many completions were appended.
     pub fn wait(&self, out: &mut Vec<Completion>, deadline: Instant) -> Result<usize> {
-        let spin_until = Instant::now() + self.spin;
+        // poll(2) sleeps in whole milliseconds: a wait shorter than that (an inline spin's)
+        // spins to its end instead of oversleeping it
+        let now = Instant::now();
+        let spin_until = if deadline.saturating_duration_since(now) < Duration::from_millis(1) {
+            deadline
+        } else {
+            now + self.spin
+        };
         loop {
             let n = self.poll(out);
             if n > 0 {
@@ -551,7 +558,8 @@ pub struct RemoteOp {
 /// on the send queue, at most `max_outstanding` posted in all). Each run owns a [`Slot`]: the
 /// upper 32 bits of a work request id name the slot, the lower its operation. One waiter at a
 /// time polls the completion queue (a short spin, then parked on the channel) and routes what
-/// it reaped to the slots; the others sleep on `progressed` until it has.
+/// it reaped to the slots, waking only their owners; the others sleep on their own slot. On
+/// leaving, the poller wakes one of them to take its place.
 pub struct QueuePair {
     qp: Mutex<BasicQueuePair>,
     cq: Arc<CompletionQueue>,
@@ -566,27 +574,49 @@ pub struct QueuePair {
     slots: Mutex<HashMap<u32, Arc<Slot>>>,
     /// Held by the one waiter polling the completion queue.
     poller: Mutex<()>,
-    /// Bumped after completions were routed (and the poller stepped away).
-    progress: Mutex<u64>,
-    progressed: Condvar,
 }
 
-/// Completions routed to one run (or one bind / invalidate) and not yet taken by it.
+/// Completions routed to one run (or one bind / invalidate) and not yet taken by it, and how
+/// its owner sleeps until there are some.
 #[derive(Default)]
 struct Slot {
-    done: Mutex<Vec<Completion>>,
+    inbox: Mutex<Inbox>,
+    ready: Condvar,
+    /// What its owner sleeps for: [`NOT_WAITING`], [`FOR_COMPLETIONS`] or [`FOR_ENTRIES`].
+    waiting: AtomicU8,
 }
 
+#[derive(Default)]
+struct Inbox {
+    done: Vec<Completion>,
+    /// Set by whoever wakes the owner for something other than completions (free send queue
+    /// entries, or the poller's place being free), so a wake-up that comes between the owner's
+    /// check and its sleep is not lost.
+    kick: bool,
+}
+
+const NOT_WAITING: u8 = 0;
+/// The owner has requests posted and waits for their completions.
+const FOR_COMPLETIONS: u8 = 1;
+/// The owner has nothing posted and waits for a free send queue entry.
+const FOR_ENTRIES: u8 = 2;
+
 impl Slot {
+    fn inbox(&self) -> std::sync::MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn take(&self, out: &mut Vec<Completion>) {
-        out.append(&mut self.done.lock().unwrap_or_else(|p| p.into_inner()));
+        out.append(&mut self.inbox().done);
     }
 
     fn is_empty(&self) -> bool {
-        self.done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+        self.inbox().done.is_empty()
+    }
+
+    fn kick(&self) {
+        self.inbox().kick = true;
+        self.ready.notify_one();
     }
 }
 
@@ -645,8 +675,6 @@ impl QueuePair {
             next_slot: AtomicU32::new(1),
             slots: Mutex::new(HashMap::new()),
             poller: Mutex::new(()),
-            progress: Mutex::new(0),
-            progressed: Condvar::new(),
         }))
     }
 
@@ -829,41 +857,58 @@ impl QueuePair {
             .remove(&id);
     }
 
-    /// Waits until completions were routed to `slot`, any completion freed send queue entries,
-    /// or `until` passed: polls the completion queue itself when no one else does, else sleeps
-    /// until the poller has routed what it reaped (at most 1 ms at a time).
-    fn wait_progress(&self, slot: &Slot, until: Instant) -> Result<()> {
-        let seen = *self.progress.lock().unwrap_or_else(|p| p.into_inner());
-        if !slot.is_empty() {
-            return Ok(());
-        }
+    /// Waits until completions were routed to `slot`, `until` passed, or (`want` is
+    /// [`FOR_ENTRIES`]) send queue entries were freed: polls the completion queue itself when
+    /// no one else does, else sleeps until the poller hands it something or its place (at most
+    /// 1 ms at a time).
+    fn wait_progress(&self, slot: &Slot, until: Instant, want: u8) -> Result<()> {
+        // announced before trying the poller's place: a poller leaving now sees it
+        slot.waiting.store(want, Ordering::Release);
         let poller = match self.poller.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
         if let Some(g) = poller {
+            slot.waiting.store(NOT_WAITING, Ordering::Release);
             let mut got = Vec::new();
-            let r = self.cq.wait(&mut got, until);
+            let r = if slot.is_empty() {
+                self.cq.wait(&mut got, until)
+            } else {
+                Ok(self.cq.poll(&mut got))
+            };
             self.route(&got);
             drop(g);
-            // wakes the others: to take their completions, or the poller's place
-            *self.progress.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-            self.progressed.notify_all();
+            // someone else polls while this one deals with what it got
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(next) = slots
+                .values()
+                .find(|s| s.waiting.load(Ordering::Acquire) != NOT_WAITING)
+            {
+                next.kick();
+            }
             return r.map(|_| ());
         }
-        let g = self.progress.lock().unwrap_or_else(|p| p.into_inner());
-        if *g == seen {
+        let mut inbox = slot.inbox();
+        if inbox.done.is_empty() && !inbox.kick {
             let left = until
                 .saturating_duration_since(Instant::now())
                 .min(Duration::from_millis(1));
-            let _ = self.progressed.wait_timeout(g, left);
+            inbox = slot
+                .ready
+                .wait_timeout(inbox, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
+        inbox.kick = false;
+        drop(inbox);
+        slot.waiting.store(NOT_WAITING, Ordering::Release);
         Ok(())
     }
 
-    /// Hands reaped completions to the slots their ids name and frees their send queue
-    /// entries (every request is posted signaled, so each completes exactly once).
+    /// Hands reaped completions to the slots their ids name, waking their owners, and frees
+    /// their send queue entries (every request is posted signaled, so each completes exactly
+    /// once), waking owners waiting for one.
     fn route(&self, got: &[Completion]) {
         if got.is_empty() {
             return;
@@ -874,9 +919,22 @@ impl QueuePair {
                 Some(n.saturating_sub(got.len() as u32))
             });
         let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut woken: Vec<u32> = Vec::new();
         for c in got {
-            if let Some(s) = slots.get(&split_wr_id(c.wr_id).0) {
-                s.done.lock().unwrap_or_else(|p| p.into_inner()).push(*c);
+            let id = split_wr_id(c.wr_id).0;
+            if let Some(s) = slots.get(&id) {
+                s.inbox().done.push(*c);
+                if !woken.contains(&id) {
+                    woken.push(id);
+                }
+            }
+        }
+        for id in &woken {
+            slots[id].ready.notify_one();
+        }
+        for s in slots.values() {
+            if s.waiting.load(Ordering::Acquire) == FOR_ENTRIES {
+                s.kick();
             }
         }
     }
@@ -964,7 +1022,7 @@ impl QueuePair {
                     format!("{outstanding} work requests never completed"),
                 ));
             }
-            self.wait_progress(slot, until)?;
+            self.wait_progress(slot, until, FOR_COMPLETIONS)?;
         }
     }
 
@@ -999,7 +1057,7 @@ impl QueuePair {
             if Instant::now() >= deadline {
                 return Err(timed_out("found no free send queue entry"));
             }
-            self.wait_progress(slot, deadline)?;
+            self.wait_progress(slot, deadline, FOR_ENTRIES)?;
         }
         self.post_reserved(wr)?;
         let mut done = Vec::new();
@@ -1012,7 +1070,7 @@ impl QueuePair {
                 self.drain(slot, 1)?;
                 return Err(timed_out("did not complete"));
             }
-            self.wait_progress(slot, deadline)?;
+            self.wait_progress(slot, deadline, FOR_COMPLETIONS)?;
         }
         match done.iter().find(|c| !c.ok()) {
             Some(c) => Err(completion_error(c, what)),
@@ -1185,7 +1243,12 @@ impl Run {
                     .deadline
                     .min(until)
                     .min(now + Duration::from_millis(20));
-                qp.wait_progress(&self.slot, step)?;
+                let want = if self.outstanding > 0 {
+                    FOR_COMPLETIONS
+                } else {
+                    FOR_ENTRIES
+                };
+                qp.wait_progress(&self.slot, step, want)?;
                 continue;
             }
             for i in 0..self.done.len() {
