@@ -472,14 +472,7 @@ impl CompletionQueue {
     /// Polls until at least one completion arrives or `deadline` passes: a short spin, then
     /// arm the channel and sleep on its fd. Returns how many completions were appended.
     pub fn wait(&self, out: &mut Vec<Completion>, deadline: Instant) -> Result<usize> {
-        // poll(2) sleeps in whole milliseconds: a wait shorter than that (an inline spin's)
-        // spins to its end instead of oversleeping it
-        let now = Instant::now();
-        let spin_until = if deadline.saturating_duration_since(now) < Duration::from_millis(1) {
-            deadline
-        } else {
-            now + self.spin
-        };
+        let spin_until = Instant::now() + self.spin;
         loop {
             let n = self.poll(out);
             if n > 0 {
@@ -929,8 +922,12 @@ impl QueuePair {
                 }
             }
         }
+        // only owners asleep on their slot need waking (a notify is a syscall)
         for id in &woken {
-            slots[id].ready.notify_one();
+            let s = &slots[id];
+            if s.waiting.load(Ordering::Acquire) != NOT_WAITING {
+                s.ready.notify_one();
+            }
         }
         for s in slots.values() {
             if s.waiting.load(Ordering::Acquire) == FOR_ENTRIES {
