@@ -23,7 +23,9 @@ pub struct Options {
     pub min_iters: usize,
     pub max_iters: usize,
     pub tcp: TcpConfig,
-    /// rdma: seconds per `ib_write_bw` point of the perftest baseline.
+    /// rdma: seconds per `ib_write_bw` point of the perftest baseline (read only by builds
+    /// with the rdma feature).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub perftest_seconds: u64,
 }
 
@@ -91,6 +93,7 @@ async fn in_process(o: &Options, max: u64, kind: TransportKind) -> anyhow::Resul
 
 /// Sizes below this are set against `ib_write_lat` (latency), the others against
 /// `ib_write_bw` (bandwidth).
+#[cfg(feature = "rdma")]
 const LATENCY_BELOW: u64 = 4096;
 
 /// rdma: the engine's rows between two perftest runs on the same device (where perftest is
