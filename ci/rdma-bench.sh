@@ -1,65 +1,42 @@
 #!/usr/bin/env bash
-# The rdma transport beside perftest on the same soft-RoCE device in the same VM run:
-# ib_write_bw (64 KiB, 1 MiB), ib_write_lat (8 B), then transports/examples/rdma_bench, and the
-# ratios. Builds the example (release) first, on the host, before the VM boots.
+# The engine over rdma beside perftest, in one soft-RoCE VM: `omnirig bench transfer --transport
+# rdma` RUNS times. Each run times the whole engine (batches, grants, slicing: what the product
+# runs) between two perftest runs (ib_write_bw, ib_write_lat) on the same device and prints its
+# ratios against the better perftest figure; this prints each ratio's median and spread.
 #
-#   ci/rdma-bench.sh [SECONDS]        seconds per bandwidth point (default 3)
+#   ci/rdma-bench.sh [RUNS] [SECONDS]     runs (default 3); seconds per ib_write_bw point (default 2)
 #
-# Units: perftest's MB/sec is 2^20 bytes/s; rdma_bench prints MiB/s too. ib_write_lat reports
-# half a ping-pong round trip (t_typical); rdma_bench's 8-byte latency is post -> acknowledged
-# completion, a full round trip on RC, so both ratios are printed.
+# Builds the release binary on the host first (the VM runs host binaries). Bandwidth ratios are
+# of MiB/s (perftest's MB/sec is 2^20 bytes/s); the 8-byte latency ratio is the engine's p50
+# (post to acknowledged completion, a full round trip on RC) over twice ib_write_lat's
+# t_typical (it prints half a ping-pong round trip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-secs=${1:-3}
-cargo build --release --locked -p omnirig-transports --features rdma --example rdma_bench >&2
+runs=${1:-3}
+secs=${2:-2}
 cargo build --release --locked --features rdma --bin omnirig >&2
-bin=$PWD/target/release/examples/rdma_bench
 omnirig=$PWD/target/release/omnirig
-exec ci/softroce.sh run --timeout 600 -- "set -o pipefail; secs=$secs; bin=$bin; omnirig=$omnirig; $(cat << 'IN'
-gid=$SOFTROCE_GID_INDEX port=18900
-perf() { # TOOL ARGS...: server in the background, client against it; prints the result line
-  port=$((port + 1))
-  "$1" -d rxe0 -x "$gid" -F -p "$port" "${@:2}" > /tmp/server.out 2>&1 &
-  local srv=$! ok=0
-  for _ in $(seq 60); do
-    sleep 0.3
-    if "$1" -d rxe0 -x "$gid" -F -p "$port" "${@:2}" "$SOFTROCE_IP" > /tmp/client.out 2>&1; then ok=1; break; fi
-    grep -q "Couldn't connect" /tmp/client.out || break
-  done
-  wait $srv || true
-  [ $ok = 1 ] || { echo "perftest failed: $*" >&2; cat /tmp/client.out >&2; return 1; }
-  grep -A1 '#bytes' /tmp/client.out | tail -n 1
-}
-# perftest before and after ours (the host is shared and TCG is noisy); ratios use the better
-# perftest figure of the two, so noise cannot flatter us
-perftest() {
-  bw64=$(perf ib_write_bw -s 65536 -D "$secs" | awk '{print $4}')
-  bw1m=$(perf ib_write_bw -s 1048576 -D "$secs" | awk '{print $4}')
-  lat=$(perf ib_write_lat -s 8 -n 2000 | awk '{print $5}')
-  echo "ib_write_bw 65536 B: $bw64 MiB/s; ib_write_bw 1048576 B: $bw1m MiB/s; ib_write_lat 8 B t_typical: $lat us"
-}
-perftest | tee /tmp/perf1.out
-"$bin" "$secs" | tee /tmp/omnirig.out
-# the whole engine (batches, grants, slicing) over rdma: omnirig bench transfer
-"$omnirig" bench transfer --transport rdma --sizes 8,64K,1M --budget 256M --max-iters 2000 2> /dev/null \
-  | tee /tmp/engine.out
-perftest | tee /tmp/perf2.out
-best() { awk -v f="$1" -v low="$2" '{ v = $f + 0; if (m == "" || (low ? v < m : v > m)) m = v } END { print m }' /tmp/perf1.out /tmp/perf2.out; }
-bw64=$(best 4 0); bw1m=$(best 9 0); lat=$(best 15 1)
-# the best completion-wait mode of each measurement
-o64=$(awk '/WRITE 65536 B/ {if ($6 > m) m = $6} END {print m}' /tmp/omnirig.out)
-o1m=$(awk '/WRITE 1048576 B/ {if ($6 > m) m = $6} END {print m}' /tmp/omnirig.out)
-olat=$(awk '/via Link::execute/ {for (i = 1; i < NF; i++) if ($i == "median") v = $(i + 1); if (m == "" || v < m) m = v} END {print m}' /tmp/omnirig.out)
-awk -v a="$o64" -v b="$bw64" -v c="$o1m" -v d="$bw1m" -v e="$olat" -v f="$lat" 'BEGIN {
-  printf "ratio bandwidth 64 KiB: %.2fx ib_write_bw (target >= 0.9)\n", a / b
-  printf "ratio bandwidth 1 MiB: %.2fx ib_write_bw (target >= 0.9)\n", c / d
-  printf "ratio latency 8 B: %.2fx ib_write_lat t_typical as printed (half round trip); %.2fx its full round trip (target <= 1.3)\n", e / f, e / (2 * f)
-}'
-# engine rows: GB/s is 1e9 bytes/s; p50 in us
-awk -v b64="$bw64" -v b1m="$bw1m" -v l="$lat" '$1 == "write" && $2 == "64K" { printf "engine ratio bandwidth 64 KiB, one request at a time: %.2fx ib_write_bw\n", $3 * 1e9 / 1048576 / b64 }
-  $1 == "write" && $2 == "1M" { printf "engine ratio bandwidth 1 MiB, one request at a time: %.2fx ib_write_bw\n", $3 * 1e9 / 1048576 / b1m }
-  $1 == "write-x16" && $2 == "64K" { printf "engine ratio bandwidth 64 KiB, 16 per batch: %.2fx ib_write_bw (target >= 0.9)\n", $3 * 1e9 / 1048576 / b64 }
-  $1 == "write-x16" && $2 == "1M" { printf "engine ratio bandwidth 1 MiB, 16 per batch: %.2fx ib_write_bw (target >= 0.9)\n", $3 * 1e9 / 1048576 / b1m }
-  $1 == "write" && $2 == "8" { printf "engine ratio latency 8 B: %.2fx ib_write_lat full round trip (p50 %s us; target <= 1.3)\n", $4 / (2 * l), $4 }' /tmp/engine.out
-IN
-)"
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+t0=$SECONDS
+ci/softroce.sh run --timeout $((120 + runs * 240)) -- "set -o pipefail
+for i in \$(seq $runs); do
+  echo \"== run \$i of $runs\"
+  $omnirig bench transfer --transport rdma --sizes 8,64K,1M --budget 256M --max-iters 2000 \
+    --perftest-seconds $secs 2> /tmp/bench.err || { cat /tmp/bench.err >&2; exit 1; }
+done" | tee "$out"
+echo "== $runs runs in $((SECONDS - t0)) s (VM boot included); median (min-max) over the runs:"
+python3 - "$out" << 'PY'
+import re, statistics, sys
+ratios = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"ratio (\S+) (\S+): ([0-9.]+)x (\S+)", line)
+    if m:
+        ratios.setdefault((m[1], m[2], m[4]), []).append(float(m[3]))
+if not ratios:
+    sys.exit("no ratio lines: did perftest run in the VM?")
+for (op, size, tool), v in ratios.items():
+    target = "<= 1.3" if tool == "ib_write_lat" else ">= 0.9"
+    print(f"{op:>9} {size:>4}: {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f}) {tool}"
+          f"{' round trip' if tool == 'ib_write_lat' else ''}, {len(v)} runs; target {target}")
+PY

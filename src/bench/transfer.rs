@@ -23,6 +23,10 @@ pub struct Options {
     pub min_iters: usize,
     pub max_iters: usize,
     pub tcp: TcpConfig,
+    /// rdma: seconds per `ib_write_bw` point of the perftest baseline (read only by builds
+    /// with the rdma feature).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub perftest_seconds: u64,
 }
 
 const OP_TIMEOUT: Option<Duration> = Some(Duration::from_secs(120));
@@ -40,9 +44,9 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
     let rows = match o.transport {
         TransportKind::Loopback => rt.block_on(in_process(o, max, TransportKind::Loopback))?,
         // two engines of this process on one RDMA device (soft-RoCE: ci/softroce.sh); perftest's
-        // ib_write_bw / ib_write_lat on the same device are the physical baseline
-        // (ci/rdma-bench.sh runs both and prints the ratio)
-        TransportKind::Rdma => rt.block_on(in_process(o, max, TransportKind::Rdma))?,
+        // ib_write_bw / ib_write_lat on the same device, run here before and after, are the
+        // physical baseline where they are installed
+        TransportKind::Rdma => rt.block_on(rdma(o, max))?,
         TransportKind::Tcp => rt.block_on(tcp(o, max))?,
         TransportKind::Shm => rt.block_on(shm(o, max))?,
         // GPU buffers (docs/gpu.md): the cuda transport and staging against CUDA copies.
@@ -92,6 +96,73 @@ async fn in_process(o: &Options, max: u64, kind: TransportKind) -> anyhow::Resul
     let rows = rows_against_memcpy(kind, o, max, &a, (&src, &wg), (&landing, &rg)).await?;
     check_landed(&b, &dst, &wg, 0x5a, max)?;
     Ok(rows)
+}
+
+/// Sizes below this are set against `ib_write_lat` (latency), the others against
+/// `ib_write_bw` (bandwidth).
+#[cfg(feature = "rdma")]
+const LATENCY_BELOW: u64 = 4096;
+
+/// rdma: the engine's rows between two perftest runs on the same device (where perftest is
+/// installed); write rows are then set against the better perftest figure of the two.
+async fn rdma(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
+    #[cfg(feature = "rdma")]
+    {
+        let (lat, bw): (Vec<u64>, Vec<u64>) = o.sizes.iter().partition(|&&s| s < LATENCY_BELOW);
+        match perftest::device() {
+            Err(why) => {
+                progress(&format!("no perftest baseline: {why}"));
+                in_process(o, max, TransportKind::Rdma).await
+            }
+            Ok(dev) => {
+                progress("perftest (before): ib_write_bw, ib_write_lat");
+                let before = perftest::measure(&dev, &bw, &lat, o.perftest_seconds)?;
+                let mut rows = in_process(o, max, TransportKind::Rdma).await?;
+                progress("perftest (after): ib_write_bw, ib_write_lat");
+                let after = perftest::measure(&dev, &bw, &lat, o.perftest_seconds)?;
+                against_perftest(&mut rows, &perftest::Figures::best(&before, &after));
+                Ok(rows)
+            }
+        }
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        // the engine refuses: this build has no rdma transport (it says how to get one)
+        in_process(o, max, TransportKind::Rdma).await
+    }
+}
+
+/// Write rows get perftest as their baseline: `ib_write_bw`'s MiB/s for bandwidth sizes (ratio
+/// of GB/s), `ib_write_lat`'s full round trip (twice its t_typical, which is half a ping-pong)
+/// for latency sizes (ratio of p50s, baseline over ours, so higher is better in both).
+#[cfg(feature = "rdma")]
+fn against_perftest(rows: &mut [Row], f: &perftest::Figures) {
+    use super::Baseline;
+    for r in rows.iter_mut().filter(|r| r.op.starts_with("write")) {
+        if let Some(mib) = f.bw(r.size) {
+            let gbps = mib * 1048576.0 / 1e9;
+            r.baseline = Baseline {
+                name: "ib_write_bw".into(),
+                gbps,
+                p50_us: r.size as f64 / (gbps * 1e3),
+                p99_us: None,
+                samples_us: None,
+            };
+            r.ratio = r.omnirig.gbps / gbps;
+        } else if let Some(half) = f.lat(r.size)
+            && r.op == "write"
+        {
+            let rtt = 2.0 * half;
+            r.baseline = Baseline {
+                name: "ib_write_lat".into(),
+                gbps: r.size as f64 / (rtt * 1e3),
+                p50_us: rtt,
+                p99_us: None,
+                samples_us: None,
+            };
+            r.ratio = rtt / r.omnirig.p50_us;
+        }
+    }
 }
 
 /// The peer process fills its read buffer with (i * 7 + 3); the last read must have brought
@@ -372,14 +443,7 @@ pub fn verdicts(r: &Results) -> Vec<String> {
     let big: Vec<&Row> = r.rows.iter().filter(|x| x.size >= 1 << 20).collect();
     let kind = r.transport.parse::<TransportKind>().ok();
     if kind == Some(TransportKind::Rdma) {
-        // rdma's figures are set against perftest on the same device, which this binary does
-        // not run; ci/rdma-bench.sh runs both in one VM and prints the ratios.
-        out.push(
-            "rdma: memcpy is for reference only; the targets (>= 0.9x ib_write_bw at >= 64 KiB, \
-             8-byte write <= 1.3x ib_write_lat) are checked by ci/rdma-bench.sh"
-                .to_string(),
-        );
-        return out;
+        return rdma_verdicts(r);
     }
     if kind == Some(TransportKind::Cuda) {
         #[cfg(feature = "cuda")]
@@ -425,4 +489,234 @@ pub fn verdicts(r: &Results) -> Vec<String> {
         ));
     }
     out
+}
+
+/// rdma against perftest (rows carry it as baseline where perftest ran): one line per write
+/// row, each `ratio <op> <size>: <x>x <tool> ...`, the lines ci/rdma-bench.sh collects.
+fn rdma_verdicts(r: &Results) -> Vec<String> {
+    let mut out = Vec::new();
+    for row in r.rows.iter().filter(|x| x.op.starts_with("write")) {
+        let size = human_size(row.size);
+        match row.baseline.name.as_str() {
+            "ib_write_bw" => out.push(format!(
+                "ratio {} {size}: {:.3}x ib_write_bw ({:.1} vs {:.1} MiB/s; target >= 0.9 at >= \
+                 64 KiB{})",
+                row.op,
+                row.ratio,
+                row.omnirig.gbps * 1e9 / 1048576.0,
+                row.baseline.gbps * 1e9 / 1048576.0,
+                if row.op == "write" {
+                    ", one request at a time: latency bound"
+                } else {
+                    ""
+                },
+            )),
+            "ib_write_lat" => out.push(format!(
+                "ratio {} {size}: {:.3}x ib_write_lat round trip (p50 {:.1} us vs {:.1} us; \
+                 target <= 1.3)",
+                row.op,
+                1.0 / row.ratio,
+                row.omnirig.p50_us,
+                row.baseline.p50_us
+            )),
+            _ => {}
+        }
+    }
+    if out.is_empty() {
+        out.push(
+            "rdma: no perftest baseline in this run (memcpy is for reference only); the \
+             targets (>= 0.9x ib_write_bw at >= 64 KiB, 8-byte write <= 1.3x ib_write_lat) \
+             need ib_write_bw / ib_write_lat on the same device: ci/rdma-bench.sh"
+                .to_string(),
+        );
+    }
+    out
+}
+
+/// perftest's `ib_write_bw` / `ib_write_lat` on the device the rdma engines use, in this run:
+/// the physical baseline of `bench transfer --transport rdma` (run where the perftest binaries
+/// are installed, e.g. in the soft-RoCE VM of `ci/softroce.sh`).
+#[cfg(feature = "rdma")]
+mod perftest {
+    use std::net::TcpListener;
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    use anyhow::{Context, bail};
+    use omnirig_transports::RdmaConfig;
+    use omnirig_transports::transport::rdma::link::RdmaNode;
+
+    /// Device and GID index the engines' default rdma config selects (perftest must use the
+    /// same ones).
+    pub struct Device {
+        name: String,
+        gid_index: u32,
+    }
+
+    /// What perftest measured: `ib_write_bw`'s average MiB/s per size, `ib_write_lat`'s
+    /// t_typical (half a ping-pong round trip) in microseconds per size.
+    #[derive(Debug, Default, Clone)]
+    pub struct Figures {
+        pub bw_mib_s: Vec<(u64, f64)>,
+        pub lat_half_rtt_us: Vec<(u64, f64)>,
+    }
+
+    impl Figures {
+        /// The better figure of two runs per size (the host is shared: noise must not flatter
+        /// the engine).
+        pub fn best(a: &Figures, b: &Figures) -> Figures {
+            let pick = |x: &[(u64, f64)], y: &[(u64, f64)], better: fn(f64, f64) -> f64| {
+                x.iter()
+                    .map(|&(s, v)| match y.iter().find(|(t, _)| *t == s) {
+                        Some(&(_, w)) => (s, better(v, w)),
+                        None => (s, v),
+                    })
+                    .collect()
+            };
+            Figures {
+                bw_mib_s: pick(&a.bw_mib_s, &b.bw_mib_s, f64::max),
+                lat_half_rtt_us: pick(&a.lat_half_rtt_us, &b.lat_half_rtt_us, f64::min),
+            }
+        }
+
+        pub fn bw(&self, size: u64) -> Option<f64> {
+            self.bw_mib_s.iter().find(|(s, _)| *s == size).map(|x| x.1)
+        }
+
+        pub fn lat(&self, size: u64) -> Option<f64> {
+            self.lat_half_rtt_us
+                .iter()
+                .find(|(s, _)| *s == size)
+                .map(|x| x.1)
+        }
+    }
+
+    /// Why perftest cannot run here (binaries or device missing), or the device to run it on.
+    pub fn device() -> Result<Device, String> {
+        for tool in ["ib_write_bw", "ib_write_lat"] {
+            let found = Command::new(tool)
+                .arg("--help")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok();
+            if !found {
+                return Err(format!(
+                    "{tool} not found (install perftest; ci/rdma-bench.sh runs this in the \
+                     soft-RoCE VM)"
+                ));
+            }
+        }
+        let node = RdmaNode::open(RdmaConfig::default()).map_err(|e| e.to_string())?;
+        Ok(Device {
+            name: node.device().name().to_string(),
+            gid_index: node.gid_index(),
+        })
+    }
+
+    /// `ib_write_bw` for each of `bw_sizes` (`seconds` each) and `ib_write_lat` for each of
+    /// `lat_sizes`, server and client on `dev`, one after the other.
+    pub fn measure(
+        dev: &Device,
+        bw_sizes: &[u64],
+        lat_sizes: &[u64],
+        seconds: u64,
+    ) -> anyhow::Result<Figures> {
+        let mut f = Figures::default();
+        let secs = seconds.max(1).to_string();
+        for &s in bw_sizes {
+            let size = s.to_string();
+            let v = figure(dev, "ib_write_bw", &["-s", &size, "-D", &secs], s, 3)?;
+            f.bw_mib_s.push((s, v));
+        }
+        for &s in lat_sizes {
+            let size = s.to_string();
+            let v = figure(dev, "ib_write_lat", &["-s", &size, "-n", "2000"], s, 4)?;
+            f.lat_half_rtt_us.push((s, v));
+        }
+        Ok(f)
+    }
+
+    /// One perftest figure; a run that reports none (under TCG, `ib_write_bw -D` now and then
+    /// counts 0 iterations) is repeated, at most twice.
+    fn figure(
+        dev: &Device,
+        tool: &str,
+        args: &[&str],
+        size: u64,
+        index: usize,
+    ) -> anyhow::Result<f64> {
+        let mut last = None;
+        for _ in 0..3 {
+            match run(dev, tool, args).and_then(|line| column(&line, size, index, tool)) {
+                Ok(v) => return Ok(v),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("three tries"))
+    }
+
+    /// The `index`th figure of perftest's result line, which must be for `size` bytes.
+    fn column(line: &str, size: u64, index: usize, tool: &str) -> anyhow::Result<f64> {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.first().and_then(|c| c.parse::<u64>().ok()) != Some(size) {
+            bail!("{tool}: result line {line:?} is not for {size} bytes");
+        }
+        cols.get(index)
+            .and_then(|c| c.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .with_context(|| format!("{tool}: no figure in column {index} of {line:?}"))
+    }
+
+    /// Runs `tool`'s server in the background and its client against it (over 127.0.0.1 for
+    /// perftest's own handshake; the data moves over the device), and returns the client's
+    /// result line (the one under `#bytes`).
+    fn run(dev: &Device, tool: &str, args: &[&str]) -> anyhow::Result<String> {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let common = |c: &mut Command| {
+            c.args(["-d", &dev.name, "-x", &dev.gid_index.to_string(), "-F"])
+                .args(["-p", &port.to_string()])
+                .args(args);
+        };
+        let mut server = Command::new(tool);
+        common(&mut server);
+        let mut server = server
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("start {tool} server"))?;
+        let mut last = String::new();
+        let mut line = None;
+        // the server needs a moment to listen; the client says so when it came too early
+        for _ in 0..60 {
+            std::thread::sleep(Duration::from_millis(300));
+            let mut client = Command::new(tool);
+            common(&mut client);
+            let out = client
+                .arg("127.0.0.1")
+                .output()
+                .with_context(|| format!("run {tool} client"))?;
+            last = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if out.status.success() {
+                line = last
+                    .lines()
+                    .skip_while(|l| !l.trim_start().starts_with("#bytes"))
+                    .nth(1)
+                    .map(|l| l.trim().to_string());
+                break;
+            }
+            if !last.contains("Couldn't connect") {
+                break;
+            }
+        }
+        if line.is_none() {
+            let _ = server.kill();
+        }
+        let _ = server.wait();
+        line.with_context(|| format!("{tool} {} failed: {last}", args.join(" ")))
+    }
 }

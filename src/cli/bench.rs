@@ -187,6 +187,10 @@ pub struct TransferArgs {
     /// same value (0 = block at once).
     #[arg(long, default_value_t = 50)]
     busy_poll_us: u64,
+    /// rdma: seconds per ib_write_bw point of the perftest baseline (run before and after the
+    /// engine where perftest is installed).
+    #[arg(long, default_value_t = 2)]
+    perftest_seconds: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -245,6 +249,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 min_iters: a.min_iters.max(1),
                 max_iters: a.max_iters.max(a.min_iters.max(1)),
                 tcp,
+                perftest_seconds: a.perftest_seconds,
             };
             let results = transfer::run(&opts)?;
             print!("{}", results.table());

@@ -1,5 +1,6 @@
-//! The rdma transport's data path timed on one device, for comparison with perftest's
-//! ib_write_bw / ib_write_lat on the same device in the same run (`ci/rdma-bench.sh`).
+//! The rdma link alone (no engine) timed on one device: a diagnostic beside the engine's own
+//! figures (`omnirig bench transfer --transport rdma`, which `ci/rdma-bench.sh` runs with
+//! perftest), to tell what the engine adds from what the link costs.
 //!
 //!   rdma_bench [SECONDS]      bandwidth per size for SECONDS (default 3), then 8-byte latency
 //!

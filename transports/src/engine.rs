@@ -21,8 +21,8 @@ use crate::metadata::{InProcessStore, MetadataStore};
 use crate::segment::{BufferDescriptor, Endpoint, MemoryKind, SegmentDescriptor, validate_name};
 use crate::transport::tcp;
 use crate::transport::{
-    Admission, Link, LinkInfo, MemoryProvider, OpKind, SliceOp, Transport, TransportKind,
-    TransportSetup, default_setup,
+    Admission, BoxFuture, Link, LinkInfo, MemoryProvider, OpKind, SliceOp, Started, Transport,
+    TransportKind, TransportSetup, default_setup,
 };
 
 /// Which transports an engine may select for its peers.
@@ -1024,8 +1024,13 @@ impl Engine {
     /// end TimedOut.
     pub async fn submit(&self, requests: Vec<Request>, timeout: Option<Duration>) -> Result<Batch> {
         let (batch, rest, span) = self.start(requests, timeout)?;
-        for (i, p, alive) in rest {
-            let task = run_task(self.inner.clone(), batch.shared.clone(), i, p, alive, true);
+        for (i, p, alive, started) in rest {
+            let task = run_task(
+                self.inner.clone(),
+                batch.shared.clone(),
+                (i, p, alive, started),
+                true,
+            );
             tokio::spawn(task.instrument(span.clone()));
         }
         Ok(batch)
@@ -1033,12 +1038,11 @@ impl Engine {
 
     /// Validates, creates the batch and runs what can run inline; returns the tasks that still
     /// need a driver.
-    #[allow(clippy::type_complexity)]
     fn start(
         &self,
         requests: Vec<Request>,
         timeout: Option<Duration>,
-    ) -> Result<(Batch, Vec<(usize, Prepared, TaskAlive)>, tracing::Span)> {
+    ) -> Result<(Batch, Vec<Waiting>, tracing::Span)> {
         let inner = &self.inner;
         let core = &inner.core;
         let id = inner.next_batch.fetch_add(1, Ordering::Relaxed);
@@ -1107,13 +1111,16 @@ impl Engine {
         );
         let span = info_span!("batch", engine = %core.name, batch = id, tasks = prepared.len());
         let mut rest = Vec::new();
+        // A lone request may also start on this thread on a link that waits briefly for its
+        // device (rdma); in a batch of several, that would post them one after the other.
+        let alone = prepared.len() == 1;
         for (i, p) in prepared.into_iter().enumerate() {
             core.live.tasks.fetch_add(1, Ordering::AcqRel);
             // The count is given back by this guard however the task ends, even when its
             // driver future is dropped before its first poll (`transfer` ending on an early
             // failure), which used to leave the count up for good.
             let alive = TaskAlive(core.live.clone());
-            if let Some(p) = span.in_scope(|| inner.try_inline(&shared, i, p, alive)) {
+            if let Some(p) = span.in_scope(|| inner.try_inline(&shared, i, p, alive, alone)) {
                 rest.push(p);
             }
         }
@@ -1127,16 +1134,15 @@ impl Engine {
         let (batch, mut rest, span) = self.start(requests, timeout)?;
         if rest.len() <= 1 {
             // Nothing to race: drive the one task (if any) to its end, then read the outcome.
-            if let Some((i, p, alive)) = rest.pop() {
-                run_task(self.inner.clone(), batch.shared.clone(), i, p, alive, false)
+            if let Some(w) = rest.pop() {
+                run_task(self.inner.clone(), batch.shared.clone(), w, false)
                     .instrument(span)
                     .await;
             }
             return batch.outcome().expect("every task has ended");
         }
-        let drivers = futures_util::future::join_all(rest.into_iter().map(|(i, p, alive)| {
-            run_task(self.inner.clone(), batch.shared.clone(), i, p, alive, false)
-                .instrument(span.clone())
+        let drivers = futures_util::future::join_all(rest.into_iter().map(|w| {
+            run_task(self.inner.clone(), batch.shared.clone(), w, false).instrument(span.clone())
         }));
         tokio::select! {
             _ = drivers => batch.wait_all().await,
@@ -1169,6 +1175,15 @@ impl Drop for Prepared {
     }
 }
 
+/// A task that still needs a driver: its index, its hold on the local buffer, and, where the
+/// link already started its one slice ([`Link::start_inline`]), the future that finishes it.
+type Waiting = (
+    usize,
+    Prepared,
+    TaskAlive,
+    Option<BoxFuture<'static, Result<()>>>,
+);
+
 /// Decrements the engine's task count when a task's driver ends, however it ends.
 struct TaskAlive(Arc<Liveness>);
 
@@ -1184,13 +1199,14 @@ impl Drop for TaskAlive {
 async fn run_task(
     inner: Arc<EngineInner>,
     batch: Arc<BatchShared>,
-    i: usize,
-    p: Prepared,
-    alive: TaskAlive,
+    (i, p, alive, begun): Waiting,
     cancelable: bool,
 ) {
     let r = &p.req;
     if !batch.lock().start(i) {
+        // a slice already under way stops (and its device is done with the memory) before
+        // the buffer's hold goes
+        drop(begun);
         return;
     }
     let span = transfer_span(i, r);
@@ -1203,6 +1219,11 @@ async fn run_task(
         let s = peer.link.slicing();
         // The key for this link's kind, shared by every slice of the task.
         let key: Option<Arc<[u8]>> = r.grant.key(peer.info.transport).map(Arc::from);
+        if let Some(begun) = begun {
+            begun.await?;
+            batch.progress(i, r.len);
+            return Ok(());
+        }
         if r.len <= s.slice_size {
             // One slice: no stream machinery on the latency path.
             peer.link
@@ -1297,17 +1318,18 @@ impl EngineInner {
         i: usize,
         p: Prepared,
         alive: TaskAlive,
-    ) -> Option<(usize, Prepared, TaskAlive)> {
+        alone: bool,
+    ) -> Option<Waiting> {
         let peer = match self.peers.try_lock() {
             Ok(peers) => peers.get(&p.req.grant.segment).cloned(),
             Err(_) => None,
         };
         let Some(peer) = peer else {
-            return Some((i, p, alive));
+            return Some((i, p, alive, None));
         };
         let r = &p.req;
         if r.len > peer.link.slicing().slice_size {
-            return Some((i, p, alive));
+            return Some((i, p, alive, None));
         }
         let key = r.grant.key(peer.info.transport).map(Arc::from);
         let op = r.slice(&p.buf.region, &key, 0, r.len);
@@ -1315,10 +1337,17 @@ impl EngineInner {
         span.record("transport", peer.info.transport.as_str())
             .record("device", peer.info.device.as_str());
         let started = Instant::now();
-        let outcome = match span.in_scope(|| peer.link.execute_inline(&op)) {
-            None => return Some((i, p, alive)),
-            Some(Ok(())) => TaskState::Completed,
-            Some(Err(e)) => TaskState::Failed(e),
+        let ran = span.in_scope(|| match peer.link.execute_inline(&op) {
+            Some(r) => Some(Started::Done(r)),
+            None if alone => peer.link.start_inline(&op),
+            None => None,
+        });
+        let outcome = match ran {
+            None => return Some((i, p, alive, None)),
+            // under way: a driver finishes it, under the batch's deadline and cancel
+            Some(Started::Pending(f)) => return Some((i, p, alive, Some(f))),
+            Some(Started::Done(Ok(()))) => TaskState::Completed,
+            Some(Started::Done(Err(e))) => TaskState::Failed(e),
         };
         batch.lock().start(i);
         conclude(batch, i, p, alive, &span, started, outcome);

@@ -283,3 +283,208 @@ async fn rules_for_other_tags_leave_transfers_alone() {
     assert!(r.landed() == r.data);
     assert!(r.faults.fired().is_empty());
 }
+
+/// The fault cases across two RoCE nodes (two VMs joined by a virtual link): node 0 owns the
+/// canary buffer and lends four write grants; node 1 runs the fault decorator over its rdma link
+/// to node 0. A failed slice stops at the fault point, a stall times out within its deadline (and
+/// nothing past its fault point lands), a
+/// late write held past the deadline is refused after revoke (`GrantRevoked`); node 0 checks that
+/// nothing landed where it must not. Then node 0's engine shuts down and node 1's next transfer
+/// fails promptly (`PeerDisconnected`) naming node 0, with nothing left held on node 1.
+/// `ci/softroce.sh run --vms 2 -- <faults test binary> --exact two_nodes_faults_over_rdma`.
+#[cfg(feature = "rdma")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_faults_over_rdma() {
+    use omnirig_transports::{Grant, RdmaConfig, TcpConfig, TransportKind};
+    use std::path::PathBuf;
+    let (Ok(node), Ok(run)) = (
+        std::env::var("SOFTROCE_NODE"),
+        std::env::var("SOFTROCE_RUN"),
+    ) else {
+        eprintln!(
+            "SKIPPED two_nodes_faults_over_rdma: needs two RoCE nodes; run it with \
+             `ci/softroce.sh run --vms 2 -- cargo test --features rdma --test faults -- --exact \
+             two_nodes_faults_over_rdma`"
+        );
+        return;
+    };
+    if std::env::var("SOFTROCE_NODES").as_deref() != Ok("2") {
+        eprintln!("SKIPPED two_nodes_faults_over_rdma: one VM (pass --vms 2)");
+        return;
+    }
+    if common::unavailable("rdma") {
+        return;
+    }
+    let run = PathBuf::from(run);
+    let wait = |name: &str| {
+        let p = run.join(name);
+        let t = Instant::now();
+        while !p.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(180),
+                "the other node never wrote {name}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::fs::read(&p).unwrap()
+    };
+    let put = |name: &str, b: &[u8]| {
+        let tmp = run.join(format!("{name}.faults.tmp"));
+        std::fs::write(&tmp, b).unwrap();
+        std::fs::rename(tmp, run.join(name)).unwrap();
+    };
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let unhex = |l: &str| {
+        (0..l.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&l[i..i + 2], 16).unwrap())
+            .collect::<Vec<u8>>()
+    };
+    // one grant per case: fail_slice, stall, late_write, dead peer
+    const CASES: u64 = 4;
+    let ip = std::env::var("SOFTROCE_IP").unwrap();
+    let config = |name: &str, tcp: Option<std::net::SocketAddr>| {
+        config(name, "rdma", &InProcessStore::new())
+            .with(TcpConfig {
+                listen: tcp,
+                ..TcpConfig::default()
+            })
+            .with(RdmaConfig {
+                slice_size: MIB,
+                listen: format!("{ip}:0").parse().unwrap(),
+                ..RdmaConfig::default()
+            })
+    };
+    let region = |g: &Grant| g.offset as usize..(g.offset + g.len) as usize;
+    if node == "0" {
+        let e = Engine::new(config(
+            "node0",
+            Some(format!("{ip}:18610").parse().unwrap()),
+        ))
+        .await
+        .unwrap();
+        let buf = e.allocate(CASES * LEN).unwrap();
+        buf.write(0, &vec![CANARY; (CASES * LEN) as usize]).unwrap();
+        let grants: Vec<Grant> = (0..CASES)
+            .map(|i| e.grant(&buf, i * LEN, LEN, Access::Write).unwrap())
+            .collect();
+        let lines: Vec<String> = grants.iter().map(|g| hex(&g.to_bytes())).collect();
+        put("faults-grants", lines.join("\n").as_bytes());
+        wait("faults-held");
+        assert!(e.revoke(&grants[2]));
+        put("faults-revoked", b"");
+        wait("faults-cases-done");
+        assert!(e.revoke(&grants[0]) && e.revoke(&grants[1]));
+        // the first three cases' ranges (the fourth is still lent out)
+        let mut got = vec![0u8; (3 * LEN) as usize];
+        buf.read(0, &mut got).unwrap();
+        let (fail, stall, late) = (region(&grants[0]), region(&grants[1]), region(&grants[2]));
+        let past = |r: &std::ops::Range<usize>| r.start + AT as usize..r.start + 2 * MIB as usize;
+        assert!(
+            got[past(&fail)].iter().all(|&x| x == CANARY),
+            "fail_slice: bytes past the fault landed"
+        );
+        assert!(
+            got[past(&stall)].iter().all(|&x| x == CANARY),
+            "stall: bytes past the fault landed"
+        );
+        assert!(
+            got[past(&late)].iter().all(|&x| x == CANARY),
+            "late_write: a held byte landed after revoke"
+        );
+        // the dead-peer case: node 0 goes away with grant 3 still out
+        e.shutdown();
+        drop(e);
+        put("faults-node0-gone", b"");
+        wait("faults-node1-done");
+        println!("RESULT two nodes, node 0: no byte landed past a fault or after revoke");
+    } else {
+        let faults = FaultInjector::new(vec![
+            FaultRule::new(Some(1), FaultPoint::AfterBytes(AT), FaultKind::FailSlice),
+            FaultRule::new(Some(2), FaultPoint::AfterBytes(AT), FaultKind::Stall),
+            FaultRule::new(Some(3), FaultPoint::AfterBytes(AT), FaultKind::LateWrite),
+        ]);
+        let e = Engine::new(config("node1", None).decorator(faults.decorator()))
+            .await
+            .unwrap();
+        let raw = String::from_utf8(wait("faults-grants")).unwrap();
+        let grants: Vec<Grant> = raw
+            .lines()
+            .map(|l| Grant::from_bytes(&unhex(l)).unwrap())
+            .collect();
+        let peer = std::env::var("SOFTROCE_PEER_IP").unwrap();
+        let info = e
+            .connect_addr(format!("{peer}:18610").parse().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(info.transport, TransportKind::Rdma, "{info:?}");
+        let src = e.allocate(LEN).unwrap();
+        src.write(0, &pattern(11, LEN as usize)).unwrap();
+        let write = |tag: u64, timeout: Duration| {
+            let req = Request::write(&src, 0, &grants[tag as usize - 1], 0, LEN).tagged(tag);
+            let e = &e;
+            async move {
+                let batch = e.submit(vec![req], Some(timeout)).await.unwrap();
+                batch.wait().await.remove(0)
+            }
+        };
+        // fail_slice: the task fails, naming the injected fault
+        let state = write(1, Duration::from_secs(30)).await;
+        let TaskState::Failed(err) = state else {
+            panic!("fail_slice: expected Failed, got {state:?}")
+        };
+        assert_eq!(err.kind(), ErrorKind::Io, "{err}");
+        assert!(err.detail().contains("fault injected"), "{err}");
+        // stall: timed out within the deadline
+        let t = Instant::now();
+        let deadline = Duration::from_millis(300);
+        assert_eq!(write(2, deadline).await, TaskState::TimedOut);
+        assert!(
+            t.elapsed() < deadline + Duration::from_secs(2),
+            "{:?}",
+            t.elapsed()
+        );
+        // late_write: the held bytes go out only after node 0 revoked the grant
+        assert_eq!(
+            write(3, Duration::from_millis(500)).await,
+            TaskState::TimedOut
+        );
+        assert_eq!(faults.held(), 1);
+        put("faults-held", b"");
+        wait("faults-revoked");
+        let outcomes = faults.release_held().await;
+        assert_eq!(outcomes.len(), 1);
+        let late = outcomes[0].1.as_ref().unwrap_err();
+        assert_eq!(late.kind(), ErrorKind::GrantRevoked, "{late}");
+        put("faults-cases-done", b"");
+        // the dead peer: its engine is gone; the next transfer fails promptly, naming it
+        wait("faults-node0-gone");
+        let t = Instant::now();
+        let dead = e
+            .transfer(
+                vec![Request::write(&src, 0, &grants[3], 0, MIB).tagged(4)],
+                Some(Duration::from_secs(60)),
+            )
+            .await
+            .unwrap_err();
+        let took = t.elapsed();
+        assert!(
+            matches!(
+                dead.kind(),
+                ErrorKind::PeerDisconnected | ErrorKind::Unreachable
+            ),
+            "{dead}"
+        );
+        assert_eq!(dead.peer(), Some("node0"), "{dead}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        let u = idle(&e).await;
+        assert_eq!((u.batches, u.tasks, u.leases), (0, 0, 0), "{u:?}");
+        put("faults-node1-done", b"");
+        println!(
+            "RESULT two nodes, node 1 over {}: fail_slice {err}; late write after revoke \
+             {late}; dead peer after {:.0} ms: {dead}",
+            info.device,
+            took.as_secs_f64() * 1e3
+        );
+    }
+}

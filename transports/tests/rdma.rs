@@ -869,6 +869,102 @@ mod transport {
     }
 }
 
+/// `ops` for the `part`th MiB of both sides.
+fn mib_part(local: &Arc<MemoryRegistration>, key: &GrantKey, part: u64) -> Vec<RemoteOp> {
+    let mut v = ops(true, local, key, part << 20, 1 << 20, 65536);
+    for op in &mut v {
+        op.local_offset += part << 20;
+    }
+    v
+}
+
+/// Several runs under way on one queue pair at once (how a batch's slices go out back to
+/// back): their work requests share the send queue and every completion reaches its own run,
+/// whichever thread polled it.
+#[test]
+fn several_runs_share_a_queue_pair_bit_exact() {
+    let Some(dev) = device("several_runs_share_a_queue_pair_bit_exact") else {
+        return;
+    };
+    let (a, _b) = pair(&dev);
+    let target = region(4 << 20, |_| 0);
+    let grant = FencedGrant::register(&dev, &target, 0, 4 << 20, RemoteAccess::ReadWrite).unwrap();
+    let src = region(4 << 20, pattern(7));
+    let src_mr = Arc::new(dev.register(&src, 0, 4 << 20, RemoteAccess::Read).unwrap());
+    // 4 runs of 16 requests each, all started before any is pumped: 64 requests for the queue
+    // pair's 16 send queue entries
+    let mut runs: Vec<_> = (0..4)
+        .map(|i| {
+            a.start(mib_part(&src_mr, &grant.key(), i), deadline())
+                .unwrap()
+        })
+        .collect();
+    std::thread::scope(|s| {
+        for run in runs.iter_mut() {
+            s.spawn(move || while !run.pump(deadline(), None).unwrap() {});
+        }
+    });
+    assert!(!a.is_error());
+    assert!(contents(&target) == contents(&src), "bytes differ");
+}
+
+/// A run refused by the device (a write past its grant) moves the shared queue pair to ERROR:
+/// it fails with the verbs status, a run beside it either completed or failed as flushed (so
+/// the link may run it again on a fresh queue pair), and nothing past the grant was written.
+#[test]
+fn a_failed_run_flushes_the_runs_beside_it_and_names_its_status() {
+    let Some(dev) = device("a_failed_run_flushes_the_runs_beside_it_and_names_its_status") else {
+        return;
+    };
+    let (a, _b) = pair(&dev);
+    let target = region(4 << 20, |_| 0);
+    // the grant covers the first 3 MiB; the last MiB is the canary
+    let grant = FencedGrant::register(&dev, &target, 0, 3 << 20, RemoteAccess::ReadWrite).unwrap();
+    let src = region(4 << 20, pattern(8));
+    let src_mr = Arc::new(dev.register(&src, 0, 4 << 20, RemoteAccess::Read).unwrap());
+    let mut good = a
+        .start(mib_part(&src_mr, &grant.key(), 0), deadline())
+        .unwrap();
+    let mut bad = a
+        .start(mib_part(&src_mr, &grant.key(), 3), deadline())
+        .unwrap();
+    let (g, b) = std::thread::scope(|s| {
+        let g = s.spawn(|| {
+            loop {
+                match good.pump(deadline(), None) {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        });
+        let b = s.spawn(|| {
+            loop {
+                match bad.pump(deadline(), None) {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        });
+        (g.join().unwrap(), b.join().unwrap())
+    });
+    let e = b.expect_err("a write past the grant must fail");
+    assert_eq!(e.kind(), ErrorKind::AccessDenied, "{e}");
+    assert!(e.detail().contains("IBV_WC_REM_ACCESS_ERR"), "{e}");
+    assert!(!verbs::flushed(&e), "{e}");
+    let t = contents(&target);
+    assert!(
+        t[3 << 20..].iter().all(|&x| x == 0),
+        "the canary MiB was written"
+    );
+    match &g {
+        Ok(()) => assert!(t[..1 << 20] == contents(&src)[..1 << 20], "bytes differ"),
+        Err(e) => assert!(verbs::flushed(e), "{e}"),
+    }
+    println!("RESULT shared queue pair: refused run {e}; the run beside it: {g:?}");
+}
+
 /// What a dropped slice future does (the link sets the flag): ERROR, drained, `Canceled`.
 #[test]
 fn a_canceled_run_moves_the_queue_pair_to_error_and_drains_it() {

@@ -329,4 +329,21 @@ pub trait Link: Send + Sync + 'static {
     fn execute_inline(&self, _op: &SliceOp) -> Option<Result<()>> {
         None
     }
+
+    /// Starts one slice on the caller's thread and waits for it a short, bounded while (a
+    /// device whose completions come back within microseconds: rdma). The engine uses it for
+    /// the one slice of a one-request batch on a connected peer, skipping its task machinery
+    /// when the slice ends within the wait. `None`: not possible right now, use `execute`.
+    fn start_inline(&self, _op: &SliceOp) -> Option<Started> {
+        None
+    }
+}
+
+/// A slice [`Link::start_inline`] started.
+pub enum Started {
+    /// It ended on the caller's thread.
+    Done(Result<()>),
+    /// It is under way; this future finishes it (dropping it cancels the slice, as dropping
+    /// `execute`'s does).
+    Pending(BoxFuture<'static, Result<()>>),
 }

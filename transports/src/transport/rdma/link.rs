@@ -24,7 +24,7 @@ use crate::memory::Region;
 use crate::segment::Endpoint as SegmentEndpoint;
 use crate::segment::SegmentDescriptor;
 use crate::transport::{
-    Admission, BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport,
+    Admission, BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Started, Transport,
     TransportKind,
 };
 
@@ -32,7 +32,7 @@ pub use super::RdmaConfig;
 
 use super::fence::FencedGrant;
 use super::keys::{Endpoint, GrantKey};
-use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp, Run};
+use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp, Run, flushed};
 
 /// Checks a grant access on the target: the engine's admission (grant table, token, expiry,
 /// access kind); returns the buffer's region and the grant. With the seam's `Admission`:
@@ -696,6 +696,7 @@ impl Transport for RdmaTransport {
         let found = self.peer_addr(&peer);
         let mut counted = self.admission.as_ref().map(|a| a.connection());
         let queue_pairs = self.node.cfg.queue_pairs_per_peer;
+        let max_runs = self.node.cfg.runs_per_queue_pair.max(1);
         Box::pin(async move {
             let (addr, secret) = found.ok_or_else(|| {
                 Error::new(
@@ -712,7 +713,8 @@ impl Transport for RdmaTransport {
                         addr,
                         secret,
                         conn: Mutex::new(None),
-                        serial: Arc::new(tokio::sync::Semaphore::new(1)),
+                        runs: Arc::new(tokio::sync::Semaphore::new(max_runs)),
+                        max_runs,
                         // the first lane counts the link in the engine's open connections
                         _counted: if i == 0 { counted.take() } else { None },
                     })
@@ -765,22 +767,27 @@ impl Conn {
     }
 }
 
-/// A link to one peer: several lanes, each a queue pair (with its own control connection)
-/// running one run at a time. Slices of concurrent tasks spread over the lanes, so the device
-/// has work queued on several queue pairs instead of draining one between slices.
+/// A link to one peer: one or more lanes, each a queue pair (with its own control connection)
+/// with up to `runs_per_queue_pair` slices under way on it, their work requests posted back to
+/// back. Slices of concurrent tasks spread over the lanes.
 struct RdmaLink {
     lanes: Vec<Arc<Shared>>,
     next: AtomicUsize,
 }
 
 impl RdmaLink {
-    /// An idle lane if there is one, else the next in turn (its queue is async).
+    /// An idle lane if there is one, else one with room for another run, else the next in
+    /// turn (its queue is async).
     fn lane(&self) -> Arc<Shared> {
         let n = self.lanes.len();
+        if n == 1 {
+            return self.lanes[0].clone();
+        }
         let start = self.next.fetch_add(1, Ordering::Relaxed);
-        (0..n)
-            .map(|i| &self.lanes[(start + i) % n])
-            .find(|l| l.serial.available_permits() > 0)
+        let turn = || (0..n).map(|i| &self.lanes[(start + i) % n]);
+        turn()
+            .find(|l| l.idle())
+            .or_else(|| turn().find(|l| l.runs.available_permits() > 0))
             .unwrap_or(&self.lanes[start % n])
             .clone()
     }
@@ -793,14 +800,20 @@ struct Shared {
     /// Presented at queue pair setup (zeros where the peer asks none).
     secret: [u8; SECRET_LEN],
     conn: Mutex<Option<Arc<Conn>>>,
-    /// One run at a time on the queue pair (slices of several tasks queue here).
-    serial: Arc<tokio::sync::Semaphore>,
+    /// Runs under way on the queue pair, at most `max_runs` (further slices queue here).
+    runs: Arc<tokio::sync::Semaphore>,
+    max_runs: usize,
     /// Counts the link in the engine's open connections while it exists (leak checks; first
     /// lane only).
     _counted: Option<Counted>,
 }
 
 impl Shared {
+    /// No run under way on this lane's queue pair.
+    fn idle(&self) -> bool {
+        self.runs.available_permits() >= self.max_runs
+    }
+
     /// The live connection, (re)established when there is none or its queue pair broke.
     fn connection(&self) -> Result<Arc<Conn>> {
         let mut slot = self.conn.lock().unwrap_or_else(|p| p.into_inner());
@@ -1020,11 +1033,19 @@ impl Shared {
     }
 }
 
-/// Slices at most this long first spin on the runtime thread for [`INLINE_SPIN`] before their
-/// completion wait moves to a blocking thread: a thread hand-off costs more than a small
-/// write's whole round trip.
+/// Slices at most this long, alone on their queue pair, first spin on the caller's thread for
+/// [`INLINE_WAIT`] (the engine's submitting thread through [`Link::start_inline`], or the
+/// runtime thread in `execute`) before their completion wait moves to a blocking thread: a
+/// thread hand-off costs more than a small write's whole round trip.
 const INLINE_MAX: u64 = 64 << 10;
-const INLINE_SPIN: Duration = Duration::from_micros(200);
+/// `execute` (slices of batches, several may be on their way) spins only for slices this small.
+const SPIN_IN_EXECUTE_MAX: u64 = 4 << 10;
+/// How long the caller's thread waits for such a slice: the completion wait's own short spin
+/// (`completion_spin`), then parked on the completion channel for the rest. Under soft-RoCE a
+/// 64 KiB write takes a few hundred microseconds, and handing its wait to another thread (and
+/// waking the caller back) costs more than waiting here; spinning all along would take the CPU
+/// the emulated device runs on.
+const INLINE_WAIT: Duration = Duration::from_millis(1);
 
 fn fmt_gid(g: &[u8; 16]) -> std::net::Ipv6Addr {
     std::net::Ipv6Addr::from(*g)
@@ -1038,6 +1059,68 @@ enum Next {
     Resume(Run, Arc<Conn>),
     /// The device refused the access: ask the peer why.
     Explain(Error, Arc<Conn>),
+}
+
+/// Pumps a run just started for `wait` on the caller's thread (posting what fits at once):
+/// `Err` holds the slice's outcome when it ended, `Ok` where it continues off the runtime
+/// thread.
+fn spin(
+    this: &Shared,
+    op: &SliceOp,
+    started: Result<(Run, Arc<Conn>)>,
+    wait: Duration,
+) -> std::result::Result<Next, Result<()>> {
+    let (mut run, conn) = started.map_err(|e| Err(this.failed(e, op)))?;
+    match run.pump(Instant::now() + wait, None) {
+        Ok(true) => Err(Ok(())),
+        Ok(false) => Ok(Next::Resume(run, conn)),
+        Err(e) if e.kind() == ErrorKind::AccessDenied => Ok(Next::Explain(e, conn)),
+        // another run's failure on the queue pair flushed this one: again, on a fresh one
+        Err(e) if flushed(&e) => Ok(Next::Start),
+        Err(e) => Err(Err(this.failed(e, op))),
+    }
+}
+
+/// Finishes a slice on a blocking thread (connecting, registering, waiting on the completion
+/// channel as needed), holding its lane's run permit until then. Dropping the future cancels
+/// the run (ERROR, drained). A run flushed by another run's failure on its queue pair runs once
+/// more, on a fresh queue pair.
+fn finish_off_thread(
+    this: Arc<Shared>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    next: Next,
+    op: SliceOp,
+) -> BoxFuture<'static, Result<()>> {
+    Box::pin(async move {
+        let cancel = Arc::new(AtomicBool::new(false));
+        let guard = CancelOnDrop(cancel.clone());
+        let shared = this.clone();
+        let op2 = op.clone();
+        let c = cancel.clone();
+        let r = tokio::task::spawn_blocking(move || {
+            let _run_permit = permit;
+            let mut next = next;
+            let mut again = true;
+            loop {
+                let (run, conn) = match next {
+                    Next::Resume(run, conn) => (run, conn),
+                    Next::Start => shared.start(&op2)?,
+                    Next::Explain(e, conn) => return Err(shared.explain(&conn, &op2, e)),
+                };
+                match shared.finish(run, &conn, &c) {
+                    Err(e) if flushed(&e) && again && !c.load(Ordering::Acquire) => {
+                        again = false;
+                        next = Next::Start;
+                    }
+                    r => return r.map_err(|e| shared.explain(&conn, &op2, e)),
+                }
+            }
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, format!("rdma slice task: {e}")))?;
+        drop(guard);
+        r.map_err(|e| this.failed(e, &op))
+    })
 }
 
 /// Sets the flag when dropped: the engine dropping a slice's future cancels its verbs run.
@@ -1075,45 +1158,46 @@ impl Link for RdmaLink {
     fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
         let this = self.lane();
         Box::pin(async move {
-            // one run at a time on a lane's queue pair; waiting here is async
+            // at most max_runs runs at a time on a lane's queue pair; waiting here is async
             let permit = this
-                .serial
+                .runs
                 .clone()
                 .acquire_owned()
                 .await
                 .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
-            let cancel = Arc::new(AtomicBool::new(false));
-            let guard = CancelOnDrop(cancel.clone());
-            let mut next = Next::Start;
-            if op.len <= INLINE_MAX
-                && let Some(run) = this.start_ready(&op)
-            {
-                let (mut run, conn) = run.map_err(|e| this.failed(e, &op))?;
-                next = match run.pump(Instant::now() + INLINE_SPIN, None) {
-                    Ok(true) => return Ok(()),
-                    Err(e) if e.kind() == ErrorKind::AccessDenied => Next::Explain(e, conn),
-                    Err(e) => return Err(this.failed(e, &op)),
-                    Ok(false) => Next::Resume(run, conn),
-                };
-            }
-            let shared = this.clone();
-            let op2 = op.clone();
-            let c = cancel.clone();
-            let r = tokio::task::spawn_blocking(move || {
-                let _serial = permit;
-                let (run, conn) = match next {
-                    Next::Resume(run, conn) => (run, conn),
-                    Next::Start => shared.start(&op2)?,
-                    Next::Explain(e, conn) => return Err(shared.explain(&conn, &op2, e)),
-                };
-                shared
-                    .finish(run, &conn, &c)
-                    .map_err(|e| shared.explain(&conn, &op2, e))
-            })
-            .await
-            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma slice task: {e}")))?;
-            drop(guard);
-            r.map_err(|e| this.failed(e, &op))
+            // posted right here, so a batch's slices go out back to back; alone on the queue
+            // pair, a latency-sized slice also spins for its completion here
+            let alone = this.runs.available_permits() + 1 >= this.max_runs;
+            let wait = match alone && op.len <= SPIN_IN_EXECUTE_MAX {
+                true => INLINE_WAIT,
+                false => Duration::ZERO,
+            };
+            let next = match this.start_ready(&op) {
+                Some(started) => match spin(&this, &op, started, wait) {
+                    Ok(next) => next,
+                    Err(done) => return done,
+                },
+                None => Next::Start,
+            };
+            finish_off_thread(this, permit, next, op).await
+        })
+    }
+
+    fn start_inline(&self, op: &SliceOp) -> Option<Started> {
+        if op.len > INLINE_MAX {
+            return None;
+        }
+        let this = self.lane();
+        // only when nothing else is under way on the queue pair: a batch's slices are posted
+        // back to back by `execute` instead of each waiting for the one before
+        if !this.idle() {
+            return None;
+        }
+        let permit = this.runs.clone().try_acquire_owned().ok()?;
+        let started = this.start_ready(op)?;
+        Some(match spin(&this, op, started, INLINE_WAIT) {
+            Err(done) => Started::Done(done),
+            Ok(next) => Started::Pending(finish_off_thread(this, permit, next, op.clone())),
         })
     }
 

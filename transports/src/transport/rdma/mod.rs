@@ -42,6 +42,11 @@ pub struct RdmaConfig {
     /// failed slice before it reconnects (a lane only learns of it from its own queue pair), so
     /// the dead-peer recovery case does not hold yet.
     pub queue_pairs_per_peer: usize,
+    /// Slices under way at once on one queue pair (their work requests share its send queue,
+    /// `max_outstanding` in all): a batch's slices are posted back to back instead of one run
+    /// draining before the next starts. A slice flushed because another on its queue pair
+    /// failed runs once more on a fresh queue pair.
+    pub runs_per_queue_pair: usize,
     /// Largest single RDMA WRITE / READ.
     pub work_request_size: u32,
     /// Slice size the engine cuts requests into for this transport.
@@ -63,6 +68,7 @@ impl Default for RdmaConfig {
             gid_index: None,
             max_outstanding: 16,
             queue_pairs_per_peer: 1,
+            runs_per_queue_pair: 8,
             work_request_size: 256 << 10,
             slice_size: 4 << 20,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),

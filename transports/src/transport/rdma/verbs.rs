@@ -9,9 +9,10 @@
 //!
 //! Every refusal is an [`Error`] naming the device, the port and the step that failed.
 
+use std::collections::HashMap;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use sideway::ibverbs::AccessFlags;
@@ -545,6 +546,13 @@ pub struct RemoteOp {
 }
 
 /// A reliable-connected queue pair with its own completion queue.
+///
+/// Several [`Run`]s may be under way on one queue pair at once (their work requests interleave
+/// on the send queue, at most `max_outstanding` posted in all). Each run owns a [`Slot`]: the
+/// upper 32 bits of a work request id name the slot, the lower its operation. One waiter at a
+/// time polls the completion queue (a short spin, then parked on the channel) and routes what
+/// it reaped to the slots, waking only their owners; the others sleep on their own slot. On
+/// leaving, the poller wakes one of them to take its place.
 pub struct QueuePair {
     qp: Mutex<BasicQueuePair>,
     cq: Arc<CompletionQueue>,
@@ -553,10 +561,61 @@ pub struct QueuePair {
     psn: u32,
     /// Work requests posted and not yet completed never exceed this.
     max_outstanding: u32,
-    next_wr: std::sync::atomic::AtomicU64,
-    /// Claimed by one [`Run`] (or bind / invalidate) at a time: completions are matched to
-    /// that caller's requests.
-    busy: AtomicBool,
+    /// Send queue entries in use: posted, completion not yet reaped.
+    posted: AtomicU32,
+    next_slot: AtomicU32,
+    slots: Mutex<HashMap<u32, Arc<Slot>>>,
+    /// Held by the one waiter polling the completion queue.
+    poller: Mutex<()>,
+}
+
+/// Completions routed to one run (or one bind / invalidate) and not yet taken by it, and how
+/// its owner sleeps until there are some.
+#[derive(Default)]
+struct Slot {
+    inbox: Mutex<Inbox>,
+    ready: Condvar,
+    /// What its owner sleeps for: [`NOT_WAITING`], [`FOR_COMPLETIONS`] or [`FOR_ENTRIES`].
+    waiting: AtomicU8,
+}
+
+#[derive(Default)]
+struct Inbox {
+    done: Vec<Completion>,
+    /// Set by whoever wakes the owner for something other than completions (free send queue
+    /// entries, or the poller's place being free), so a wake-up that comes between the owner's
+    /// check and its sleep is not lost.
+    kick: bool,
+}
+
+const NOT_WAITING: u8 = 0;
+/// The owner has requests posted and waits for their completions.
+const FOR_COMPLETIONS: u8 = 1;
+/// The owner has nothing posted and waits for a free send queue entry.
+const FOR_ENTRIES: u8 = 2;
+
+impl Slot {
+    fn inbox(&self) -> std::sync::MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn take(&self, out: &mut Vec<Completion>) {
+        out.append(&mut self.inbox().done);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.inbox().done.is_empty()
+    }
+
+    fn kick(&self) {
+        self.inbox().kick = true;
+        self.ready.notify_one();
+    }
+}
+
+/// The slot a work request id names, and the operation's index within it.
+fn split_wr_id(wr_id: u64) -> (u32, u32) {
+    ((wr_id >> 32) as u32, wr_id as u32)
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -605,8 +664,10 @@ impl QueuePair {
             port,
             psn: u32::from_le_bytes(psn) & 0x00ff_ffff,
             max_outstanding,
-            next_wr: std::sync::atomic::AtomicU64::new(1),
-            busy: AtomicBool::new(false),
+            posted: AtomicU32::new(0),
+            next_slot: AtomicU32::new(1),
+            slots: Mutex::new(HashMap::new()),
+            poller: Mutex::new(()),
         }))
     }
 
@@ -741,10 +802,6 @@ impl QueuePair {
         })
     }
 
-    fn wr_id(&self) -> u64 {
-        self.next_wr.fetch_add(1, Ordering::Relaxed)
-    }
-
     fn post(&self, wr: raw::SendWr) -> Result<()> {
         let qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
         raw::post_send(&qp, wr).map_err(|e| {
@@ -754,6 +811,129 @@ impl QueuePair {
                 e,
             )
         })
+    }
+
+    /// Takes one send queue entry, if one is free.
+    fn reserve(&self) -> bool {
+        self.posted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_outstanding).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// Posts `wr` on an entry taken with [`reserve`](Self::reserve); gives the entry back if
+    /// the device refused the request.
+    fn post_reserved(&self, wr: raw::SendWr) -> Result<()> {
+        self.post(wr).inspect_err(|_| {
+            self.posted.fetch_sub(1, Ordering::AcqRel);
+        })
+    }
+
+    fn open_slot(&self) -> (u32, Arc<Slot>) {
+        let slot = Arc::new(Slot::default());
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let id = loop {
+            let id = self.next_slot.fetch_add(1, Ordering::Relaxed);
+            if id != 0 && !slots.contains_key(&id) {
+                break id;
+            }
+        };
+        slots.insert(id, slot.clone());
+        (id, slot)
+    }
+
+    fn close_slot(&self, id: u32) {
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+    }
+
+    /// Waits until completions were routed to `slot`, `until` passed, or (`want` is
+    /// [`FOR_ENTRIES`]) send queue entries were freed: polls the completion queue itself when
+    /// no one else does, else sleeps until the poller hands it something or its place (at most
+    /// 1 ms at a time).
+    fn wait_progress(&self, slot: &Slot, until: Instant, want: u8) -> Result<()> {
+        // announced before trying the poller's place: a poller leaving now sees it
+        slot.waiting.store(want, Ordering::Release);
+        let poller = match self.poller.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        if let Some(g) = poller {
+            slot.waiting.store(NOT_WAITING, Ordering::Release);
+            let mut got = Vec::new();
+            let r = if slot.is_empty() {
+                self.cq.wait(&mut got, until)
+            } else {
+                Ok(self.cq.poll(&mut got))
+            };
+            self.route(&got);
+            drop(g);
+            // someone else polls while this one deals with what it got
+            let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(next) = slots
+                .values()
+                .find(|s| s.waiting.load(Ordering::Acquire) != NOT_WAITING)
+            {
+                next.kick();
+            }
+            return r.map(|_| ());
+        }
+        let mut inbox = slot.inbox();
+        if inbox.done.is_empty() && !inbox.kick {
+            let left = until
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(1));
+            inbox = slot
+                .ready
+                .wait_timeout(inbox, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        inbox.kick = false;
+        drop(inbox);
+        slot.waiting.store(NOT_WAITING, Ordering::Release);
+        Ok(())
+    }
+
+    /// Hands reaped completions to the slots their ids name, waking their owners, and frees
+    /// their send queue entries (every request is posted signaled, so each completes exactly
+    /// once), waking owners waiting for one.
+    fn route(&self, got: &[Completion]) {
+        if got.is_empty() {
+            return;
+        }
+        let _ = self
+            .posted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                Some(n.saturating_sub(got.len() as u32))
+            });
+        let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut woken: Vec<u32> = Vec::new();
+        for c in got {
+            let id = split_wr_id(c.wr_id).0;
+            if let Some(s) = slots.get(&id) {
+                s.inbox().done.push(*c);
+                if !woken.contains(&id) {
+                    woken.push(id);
+                }
+            }
+        }
+        // only owners asleep on their slot need waking (a notify is a syscall)
+        for id in &woken {
+            let s = &slots[id];
+            if s.waiting.load(Ordering::Acquire) != NOT_WAITING {
+                s.ready.notify_one();
+            }
+        }
+        for s in slots.values() {
+            if s.waiting.load(Ordering::Acquire) == FOR_ENTRIES {
+                s.kick();
+            }
+        }
     }
 
     /// Runs `ops` with at most `max_outstanding` in flight and waits for all of them. On the
@@ -777,8 +957,8 @@ impl QueuePair {
             .map(|_| ())
     }
 
-    /// Claims the queue pair (waiting while another run holds it), checks `ops` and returns a
-    /// [`Run`] that posts and reaps them as it is pumped.
+    /// Checks `ops` and returns a [`Run`] that posts and reaps them as it is pumped. Several
+    /// runs may be under way on one queue pair; they share its send queue.
     pub fn start(self: &Arc<Self>, ops: Vec<RemoteOp>, deadline: Instant) -> Result<Run> {
         for op in &ops {
             op.local
@@ -794,10 +974,17 @@ impl QueuePair {
                 ));
             }
         }
-        self.claim();
+        if ops.len() > u32::MAX as usize {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                format!("rdma: {} work requests in one run", ops.len()),
+            ));
+        }
+        let (id, slot) = self.open_slot();
         Ok(Run {
             qp: self.clone(),
-            first_id: self.next_wr.load(Ordering::Relaxed),
+            id,
+            slot,
             ops,
             next: 0,
             outstanding: 0,
@@ -808,60 +995,79 @@ impl QueuePair {
         })
     }
 
-    fn claim(&self) {
-        while self
-            .busy
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            std::thread::sleep(Duration::from_micros(20));
+    /// Moves to ERROR (when anything is outstanding) and waits until `outstanding` completions
+    /// of `slot` (flushed or not) came back. Other runs on the queue pair are flushed too.
+    fn drain(&self, slot: &Slot, mut outstanding: u32) -> Result<()> {
+        if outstanding == 0 {
+            return Ok(());
         }
-    }
-
-    fn release(&self) {
-        self.busy.store(false, Ordering::Release);
-    }
-
-    /// Moves to ERROR and waits until `outstanding` completions (flushed or not) arrived.
-    pub fn drain(&self, mut outstanding: u32) -> Result<()> {
         self.set_error()?;
         let mut done = Vec::new();
         // Flushes are generated by the device at once; bound the wait anyway.
         let until = Instant::now() + Duration::from_secs(10);
-        while outstanding > 0 {
+        loop {
             done.clear();
-            let n = self.cq.wait(&mut done, until)?;
-            if n == 0 {
+            slot.take(&mut done);
+            outstanding = outstanding.saturating_sub(done.len() as u32);
+            if outstanding == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= until {
                 return Err(self.device.err(
                     Some(self.port),
                     "drain after ERROR",
                     format!("{outstanding} work requests never completed"),
                 ));
             }
-            outstanding = outstanding.saturating_sub(n as u32);
+            self.wait_progress(slot, until, FOR_COMPLETIONS)?;
         }
-        Ok(())
     }
 
-    /// Posts one request and waits for its completion (bind / invalidate, used at grant and
-    /// revoke time).
-    fn post_and_wait(&self, wr: raw::SendWr, what: &str, deadline: Instant) -> Result<()> {
-        self.claim();
-        let r = self.post_and_wait_claimed(wr, what, deadline);
-        self.release();
+    /// Posts one request (built for the slot's work request id) and waits for its completion
+    /// (bind / invalidate, used at grant and revoke time).
+    fn post_and_wait<'a>(
+        &self,
+        wr: impl FnOnce(u64) -> raw::SendWr<'a>,
+        what: &str,
+        deadline: Instant,
+    ) -> Result<()> {
+        let (id, slot) = self.open_slot();
+        let r = self.post_and_wait_in(&slot, wr((id as u64) << 32), what, deadline);
+        self.close_slot(id);
         r
     }
 
-    fn post_and_wait_claimed(&self, wr: raw::SendWr, what: &str, deadline: Instant) -> Result<()> {
-        self.post(wr)?;
-        let mut done = Vec::new();
-        let n = self.cq.wait(&mut done, deadline)?;
-        if n == 0 {
-            self.drain(1)?;
-            return Err(Error::new(
+    fn post_and_wait_in(
+        &self,
+        slot: &Slot,
+        wr: raw::SendWr,
+        what: &str,
+        deadline: Instant,
+    ) -> Result<()> {
+        let timed_out = |why: &str| {
+            Error::new(
                 ErrorKind::TimedOut,
-                format!("rdma: {what} did not complete by the deadline"),
-            ));
+                format!("rdma: {what} {why} by the deadline"),
+            )
+        };
+        while !self.reserve() {
+            if Instant::now() >= deadline {
+                return Err(timed_out("found no free send queue entry"));
+            }
+            self.wait_progress(slot, deadline, FOR_ENTRIES)?;
+        }
+        self.post_reserved(wr)?;
+        let mut done = Vec::new();
+        loop {
+            slot.take(&mut done);
+            if !done.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                self.drain(slot, 1)?;
+                return Err(timed_out("did not complete"));
+            }
+            self.wait_progress(slot, deadline, FOR_COMPLETIONS)?;
         }
         match done.iter().find(|c| !c.ok()) {
             Some(c) => Err(completion_error(c, what)),
@@ -890,8 +1096,8 @@ impl QueuePair {
             ));
         }
         let rkey = raw::next_rkey(mw.rkey());
-        let wr = raw::SendWr::Bind {
-            wr_id: self.wr_id(),
+        let wr = |wr_id| raw::SendWr::Bind {
+            wr_id,
             mw: &mw.mw,
             rkey,
             mr: &mr.mr,
@@ -907,24 +1113,31 @@ impl QueuePair {
     /// Invalidates `rkey` (a window bound through this queue pair). Once this returns, no
     /// access with that rkey can succeed.
     pub fn invalidate(&self, rkey: u32, deadline: Instant) -> Result<()> {
-        let wr = raw::SendWr::LocalInv {
-            wr_id: self.wr_id(),
-            rkey,
-        };
+        let wr = |wr_id| raw::SendWr::LocalInv { wr_id, rkey };
         self.post_and_wait(wr, "local invalidate", deadline)
     }
 }
 
-/// One claimed run of one-sided operations on a queue pair: [`pump`](Run::pump) it until it
-/// finishes. It may be pumped on one thread for a while (a short inline spin) and finished on
-/// another. Dropped unfinished, it moves the queue pair to ERROR and drains it first.
+/// Whether a run failed only because its queue pair was moved to ERROR by something else (its
+/// first failed completion was a flush: another run's failure, timeout or cancel on the same
+/// queue pair). Such a run did not touch memory it should not have; it may run again on a
+/// fresh queue pair.
+pub fn flushed(e: &Error) -> bool {
+    e.kind() == ErrorKind::Canceled && e.detail().contains(status_name(wc::WR_FLUSH_ERR))
+}
+
+/// One run of one-sided operations on a queue pair: [`pump`](Run::pump) it until it finishes.
+/// It may be pumped on one thread for a while (a short inline spin) and finished on another.
+/// Dropped unfinished, it moves the queue pair to ERROR and drains its requests first.
 pub struct Run {
     qp: Arc<QueuePair>,
+    /// The slot its completions are routed to (upper half of its work request ids).
+    id: u32,
+    slot: Arc<Slot>,
     ops: Vec<RemoteOp>,
     next: usize,
     outstanding: u32,
     failure: Option<Error>,
-    first_id: u64,
     deadline: Instant,
     done: Vec<Completion>,
     finished: bool,
@@ -944,7 +1157,7 @@ impl Run {
     /// Posts what fits and reaps completions until every operation completed (`Ok(true)`),
     /// `until` passed with work left (`Ok(false)`: pump again), or it failed: a failed
     /// completion, the run's deadline, or `cancel` (then the queue pair is in ERROR and
-    /// drained before this returns).
+    /// this run's requests are drained before this returns).
     pub fn pump(&mut self, until: Instant, cancel: Option<&AtomicBool>) -> Result<bool> {
         if self.finished {
             return Ok(true);
@@ -954,13 +1167,13 @@ impl Run {
             // an error before every posted request came back (a failed wait on the channel):
             // the device must be done with the memory before anyone hears of the failure
             let n = std::mem::take(&mut self.outstanding);
-            if let Err(e) = self.qp.drain(n) {
+            if let Err(e) = self.qp.drain(&self.slot, n) {
                 tracing::error!("rdma: {e}");
             }
         }
         if !matches!(r, Ok(false)) {
             self.finished = true;
-            self.qp.release();
+            self.qp.close_slot(self.id);
         }
         r
     }
@@ -968,13 +1181,10 @@ impl Run {
     fn pump_inner(&mut self, until: Instant, cancel: Option<&AtomicBool>) -> Result<bool> {
         let qp = self.qp.clone();
         loop {
-            while self.failure.is_none()
-                && self.next < self.ops.len()
-                && self.outstanding < qp.max_outstanding
-            {
+            while self.failure.is_none() && self.next < self.ops.len() && qp.reserve() {
                 let op = &self.ops[self.next];
                 let wr = raw::SendWr::Rdma {
-                    wr_id: qp.wr_id(),
+                    wr_id: ((self.id as u64) << 32) | self.next as u64,
                     write: op.write,
                     lkey: op.local.lkey(),
                     addr: op.local.addr() + op.local_offset,
@@ -982,7 +1192,7 @@ impl Run {
                     remote_addr: op.remote_addr,
                     rkey: op.rkey,
                 };
-                if let Err(e) = qp.post(wr) {
+                if let Err(e) = qp.post_reserved(wr) {
                     self.failure = Some(e);
                     let _ = qp.set_error();
                     break;
@@ -990,19 +1200,15 @@ impl Run {
                 self.next += 1;
                 self.outstanding += 1;
             }
-            if self.outstanding == 0 {
+            if self.outstanding == 0 && (self.failure.is_some() || self.next == self.ops.len()) {
                 return match self.failure.take() {
                     Some(e) => Err(e),
                     None => Ok(true),
                 };
             }
             self.done.clear();
-            let step = self
-                .deadline
-                .min(until)
-                .min(Instant::now() + Duration::from_millis(20));
-            let got = qp.cq.wait(&mut self.done, step)?;
-            if got == 0 {
+            self.slot.take(&mut self.done);
+            if self.done.is_empty() {
                 let now = Instant::now();
                 let why = if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
                     Some((ErrorKind::Canceled, "canceled"))
@@ -1024,22 +1230,31 @@ impl Run {
                         ),
                     );
                     let n = std::mem::take(&mut self.outstanding);
-                    qp.drain(n)?;
+                    qp.drain(&self.slot, n)?;
                     return Err(self.failure.take().unwrap_or(e));
                 }
                 if now >= until {
                     return Ok(false);
                 }
+                let step = self
+                    .deadline
+                    .min(until)
+                    .min(now + Duration::from_millis(20));
+                let want = if self.outstanding > 0 {
+                    FOR_COMPLETIONS
+                } else {
+                    FOR_ENTRIES
+                };
+                qp.wait_progress(&self.slot, step, want)?;
                 continue;
             }
             for i in 0..self.done.len() {
                 let c = self.done[i];
                 self.outstanding = self.outstanding.saturating_sub(1);
                 if !c.ok() && self.failure.is_none() {
-                    let what = c
-                        .wr_id
-                        .checked_sub(self.first_id)
-                        .and_then(|i| self.ops.get(i as usize))
+                    let what = self
+                        .ops
+                        .get(split_wr_id(c.wr_id).1 as usize)
                         .map(|o| {
                             format!(
                                 "RDMA {} of {} bytes at {:#x} rkey {:#x}",
@@ -1064,9 +1279,9 @@ impl Drop for Run {
         if !self.finished {
             if self.outstanding > 0 {
                 // the device must not touch these buffers once they may be reused
-                let _ = self.qp.drain(self.outstanding);
+                let _ = self.qp.drain(&self.slot, self.outstanding);
             }
-            self.qp.release();
+            self.qp.close_slot(self.id);
         }
     }
 }
