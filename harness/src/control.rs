@@ -118,6 +118,10 @@ pub enum Msg {
         request: String,
         #[serde(deserialize_with = "bounded")]
         digests: Vec<NamedDigest>,
+        /// The producer's offer -> this FINISH, on its clock (µs): where a consumer that
+        /// granted ahead dates the handoff's start.
+        #[serde(default)]
+        writing_us: u64,
     },
     /// Stage connector: the packet v1 sidecar (msgpack), sent only after its tensors landed.
     Packet {
@@ -125,6 +129,9 @@ pub enum Msg {
         /// msgpack bin, not an array of integers (which costs microseconds per KiB).
         #[serde(with = "serde_bytes")]
         packet: Vec<u8>,
+        /// The producer's offer -> this packet, on its clock (µs), as in `Finish`.
+        #[serde(default)]
+        writing_us: u64,
     },
     /// ERROR: the named tensors (or blocks) failed to move, and why.
     Error {

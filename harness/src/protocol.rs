@@ -67,6 +67,11 @@ pub fn bad_reply(kind: PayloadKind, rid: &str, msg: Msg) -> HarnessError {
     }
 }
 
+/// Microseconds from `a` to `b` (zero if `b` is earlier).
+pub(crate) fn micros_since(a: Instant, b: Instant) -> u64 {
+    u64::try_from(b.saturating_duration_since(a).as_micros()).unwrap_or(u64::MAX)
+}
+
 /// When each step of a handoff happened, as the consumer saw it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct HandoffTimes {
@@ -117,6 +122,102 @@ impl HandoffTimes {
             verify: ms(Self::span(fenced, self.verified)),
             ack: ms(Self::span(self.verified, Some(end))),
         }
+    }
+}
+
+/// A consumer's credit: its reservation made ahead of the offer, so the producer finds its
+/// destination granted when its outputs exist and the reservation is off the handoff's
+/// path. The three consumers follow the same rules, kept here once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Credit {
+    /// How long a granted credit waits for its offer; `None`: no credit (the consumer
+    /// reserves on the offer).
+    wait: Option<Duration>,
+    /// When the consumer started reserving: no handoff of this request starts earlier.
+    since: Option<Instant>,
+}
+
+impl Credit {
+    pub fn ahead(now: Instant, wait: Duration) -> Self {
+        Self {
+            wait: Some(wait),
+            since: Some(now),
+        }
+    }
+    pub fn is_ahead(&self) -> bool {
+        self.wait.is_some()
+    }
+
+    /// Whether `Offer` is a credit's offer (the reservation is under way or granted): it
+    /// marks the handoff's start. A credit granted ahead starts with its destination in
+    /// place (reserve phase zero) and its reply deadline (`timeout`) runs from the offer;
+    /// returns that deadline, if the grant is in place.
+    fn offered(
+        &self,
+        now: Instant,
+        times: &mut HandoffTimes,
+        granted: bool,
+        timeout: Duration,
+    ) -> Option<Option<Instant>> {
+        if self.wait.is_none() || times.offered.is_some() {
+            return None;
+        }
+        times.offered = Some(now);
+        if granted {
+            times.granted = Some(now);
+            return Some(Some(now + timeout));
+        }
+        Some(None)
+    }
+
+    /// The deadline of a reservation granted at `now`: a credit waits for its offer, else
+    /// the reply's timeout runs from the grant (or from the offer, if it came first).
+    fn deadline(&self, now: Instant, times: &HandoffTimes, timeout: Duration) -> Instant {
+        match (self.wait, times.offered) {
+            (Some(wait), None) => now + wait,
+            _ => now + timeout,
+        }
+    }
+
+    /// Why the deadline passed, and whether to tell upstream (a credit whose offer never
+    /// came: its producer may still come and must not write into it).
+    fn timed_out(&self, times: &HandoffTimes, timeout: Duration, reply: &str) -> (String, bool) {
+        match (self.wait, times.offered) {
+            (Some(wait), None) => (format!("no offer within {wait:?} of the credit"), true),
+            (Some(_), Some(_)) => (format!("no {reply} within {timeout:?} of the offer"), false),
+            (None, _) => (
+                format!("no {reply} within {timeout:?} of the reservation"),
+                false,
+            ),
+        }
+    }
+
+    /// A reply came at `now`, `writing_us` after its producer's offer on the producer's
+    /// clock: a credit's handoff starts no later than that offer, however late the offer
+    /// was seen here (a busy consumer sees it late; the reply wait would then miss part of
+    /// the producer's writing).
+    fn replied(&self, now: Instant, writing_us: u64, times: &mut HandoffTimes) {
+        let Some(seen) = times.offered.filter(|_| self.wait.is_some()) else {
+            return;
+        };
+        let Some(start) = now.checked_sub(Duration::from_micros(writing_us)) else {
+            return;
+        };
+        // An offer made before this consumer started the request dates from that start.
+        let start = self.since.map_or(start, |since| start.max(since));
+        if start < seen {
+            // Granted ahead, the destination was in place at the offer.
+            if times.granted == Some(seen) {
+                times.granted = Some(start);
+            }
+            times.offered = Some(start);
+        }
+    }
+
+    /// A reply (packet, FINISH) while a credit's offer has not come: its producer did not
+    /// follow the protocol (it offers before it writes).
+    fn reply_before_offer(&self, times: &HandoffTimes) -> bool {
+        self.wait.is_some() && times.offered.is_none()
     }
 }
 
@@ -175,6 +276,7 @@ pub struct PacketConsumer {
     verified: Vec<bool>,
     /// Messages that arrived after the handoff ended, ignored.
     stale: usize,
+    credit: Credit,
     times: HandoffTimes,
     actions: VecDeque<ConsumerAction>,
 }
@@ -193,8 +295,20 @@ impl PacketConsumer {
             expected: vec![],
             verified: vec![],
             stale: 0,
+            credit: Credit::default(),
             times: HandoffTimes::default(),
             actions: VecDeque::new(),
+        }
+    }
+
+    /// Reserves and grants ahead of the offer (a [`Credit`]); the offer then marks the
+    /// handoff's start. Without it within `offer_timeout` of the grant, the credit is
+    /// revoked, upstream told, and the handoff fails.
+    pub fn credit(&mut self, now: Instant, offer_timeout: Duration) {
+        if self.state == ConsumerState::AwaitOffer {
+            self.credit = Credit::ahead(now, offer_timeout);
+            self.state = ConsumerState::Reserving;
+            self.actions.push_back(ConsumerAction::Reserve);
         }
     }
 
@@ -263,8 +377,37 @@ impl PacketConsumer {
                 self.refuse(&e);
                 self.fail(e);
             }
-            (ConsumerState::Granted, Msg::Packet { packet, .. }) => {
+            // The offer of a credit's producer: the reservation (if it is still being made)
+            // is on the handoff's path from here on.
+            (ConsumerState::Reserving | ConsumerState::Granted, Msg::Offer { .. })
+                if self.credit.is_ahead() && self.times.offered.is_none() =>
+            {
+                let granted = self.state == ConsumerState::Granted;
+                if let Some(Some(d)) =
+                    self.credit
+                        .offered(now, &mut self.times, granted, self.timeout)
+                {
+                    self.deadline = Some(d);
+                }
+            }
+            (ConsumerState::Granted, Msg::Packet { .. })
+                if self.credit.reply_before_offer(&self.times) =>
+            {
                 self.times.replied = Some(now);
+                let e = self.err(
+                    None,
+                    &Classified::new(FailureKind::BadSidecar, "a packet before its offer"),
+                );
+                self.fail(e);
+            }
+            (
+                ConsumerState::Granted,
+                Msg::Packet {
+                    packet, writing_us, ..
+                },
+            ) => {
+                self.times.replied = Some(now);
+                self.credit.replied(now, writing_us, &mut self.times);
                 self.deadline = None;
                 // The fence: the producer says every write completed; nothing lands after this.
                 self.actions
@@ -294,7 +437,9 @@ impl PacketConsumer {
             }
             // Reserving: the producer waits for our reservation and sends nothing but an
             // ERROR (its upstream failed). Verifying: a second packet.
-            (_, Msg::Error { .. }) if self.state == ConsumerState::Reserving => {
+            (_, Msg::Error { .. })
+                if self.state == ConsumerState::Reserving && !self.credit.is_ahead() =>
+            {
                 self.stale += 1;
             }
             (_, other) => {
@@ -327,7 +472,7 @@ impl PacketConsumer {
         self.grants = made;
         self.offsets = offsets;
         self.times.granted = Some(now);
-        self.deadline = Some(now + self.timeout);
+        self.deadline = Some(self.credit.deadline(now, &self.times, self.timeout));
         self.state = ConsumerState::Granted;
         let grants = self
             .tensors
@@ -367,17 +512,15 @@ impl PacketConsumer {
         }
     }
 
-    /// The deadline passed without the packet.
+    /// The deadline passed without the packet (or, for a credit, without the offer).
     pub fn handle_timeout(&mut self, now: Instant) {
         match self.deadline {
             Some(d) if now >= d && !self.terminal() => {
-                let e = self.err(
-                    None,
-                    &Classified::new(
-                        FailureKind::TimedOut,
-                        format!("no packet within {:?} of the reservation", self.timeout),
-                    ),
-                );
+                let (text, tell) = self.credit.timed_out(&self.times, self.timeout, "packet");
+                let e = self.err(None, &Classified::new(FailureKind::TimedOut, text));
+                if tell {
+                    self.refuse(&e);
+                }
                 self.fail(e);
             }
             _ => {}
@@ -499,6 +642,8 @@ pub struct PacketProducer {
     timeout: Duration,
     state: ProducerState,
     deadline: Option<Instant>,
+    /// When the offer went out: replies say how long after it they come.
+    offered_at: Instant,
     grants: Vec<Option<Grant>>,
     digests: Vec<Option<Digest128>>,
     /// Per tensor: a write issued and not yet completed.
@@ -539,6 +684,7 @@ impl PacketProducer {
             timeout,
             state: ProducerState::Offered,
             deadline: Some(now + timeout),
+            offered_at: now,
             grants: vec![None; n],
             digests: vec![None; n],
             in_flight: vec![false; n],
@@ -599,7 +745,7 @@ impl PacketProducer {
     }
 
     /// A message for this request arrived.
-    pub fn handle_msg(&mut self, _now: Instant, msg: Msg) {
+    pub fn handle_msg(&mut self, now: Instant, msg: Msg) {
         if self.terminal() {
             self.stale += 1;
             return;
@@ -656,7 +802,7 @@ impl PacketProducer {
                     };
                     self.withdrawn = Some(e);
                 }
-                self.settle();
+                self.settle(now);
             }
             (_, other) => {
                 let e = self.err(None, &format!("unexpected {} message", other.name()));
@@ -702,7 +848,7 @@ impl PacketProducer {
     }
 
     /// The write of tensor `index` completed.
-    pub fn write_completed(&mut self, index: usize) {
+    pub fn write_completed(&mut self, now: Instant, index: usize) {
         if self.state != ProducerState::Writing
             || !self.in_flight.get(index).copied().unwrap_or(false)
         {
@@ -711,7 +857,7 @@ impl PacketProducer {
         }
         self.in_flight[index] = false;
         self.written[index] = true;
-        self.settle();
+        self.settle(now);
     }
 
     /// A write failed (a revoked grant, a dead peer, ...): `index`, the tensor it names,
@@ -730,7 +876,7 @@ impl PacketProducer {
     }
 
     /// Announces the packet once no write is in flight and every tensor landed.
-    fn settle(&mut self) {
+    fn settle(&mut self, now: Instant) {
         if self.state != ProducerState::Writing || self.in_flight.iter().any(|&f| f) {
             return;
         }
@@ -773,6 +919,7 @@ impl PacketProducer {
         self.state = ProducerState::Announced;
         self.actions.push_back(ProducerAction::Send(Msg::Packet {
             request: self.rid.clone(),
+            writing_us: micros_since(self.offered_at, now),
             packet: bytes,
         }));
         self.actions.push_back(ProducerAction::Done);
@@ -909,7 +1056,7 @@ mod tests {
 
         fn complete_writes(&mut self) {
             for (i, _) in std::mem::take(&mut self.writes) {
-                self.producer.write_completed(i);
+                self.producer.write_completed(self.now, i);
             }
             self.pump();
         }
@@ -1060,7 +1207,7 @@ mod tests {
         let mut p = Pair::new();
         p.run_until_writing();
         let (first, _) = p.writes.remove(0);
-        p.producer.write_completed(first);
+        p.producer.write_completed(p.now, first);
         p.pump();
         assert!(
             p.to_consumer.is_empty(),
@@ -1068,7 +1215,7 @@ mod tests {
         );
         assert_eq!(p.producer.state(), ProducerState::Writing);
         // A completion reported twice is not the other write's.
-        p.producer.write_completed(first);
+        p.producer.write_completed(p.now, first);
         p.pump();
         assert!(p.to_consumer.is_empty());
         assert_eq!(p.producer.stale(), 1);
@@ -1088,7 +1235,7 @@ mod tests {
         // The engine refuses the second write into the revoked grant; the first landed.
         let (a, _) = p.writes.remove(0);
         let (b, _) = p.writes.remove(0);
-        p.producer.write_completed(a);
+        p.producer.write_completed(p.now, a);
         let revoked = omnirig_transports::Error::new(
             omnirig_transports::ErrorKind::GrantRevoked,
             "grant revoked",

@@ -590,6 +590,7 @@ impl Scenario {
             hop_timeout: self.hop_timeout(),
             request_timeout: Duration::from_secs_f64(self.request_timeout_s),
             prefix_cache: self.prefix_cache,
+            credits: true,
             sizes,
             // Validated with the scenario; a scenario built in code without faults has none.
             faults: Arc::new(

@@ -31,8 +31,7 @@ use crate::protocol::ec::{
 };
 use crate::protocol::kv::{KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, kv_tensor};
 use crate::protocol::{
-    ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, ProducerState,
-    bad_reply,
+    ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, bad_reply,
 };
 use crate::report::Failure;
 
@@ -62,6 +61,9 @@ pub struct StageConfig {
     /// How long a consumer waits for its producer's offer (upstream stages' work).
     pub request_timeout: Duration,
     pub prefix_cache: bool,
+    /// Consumers reserve and grant at the request's start, ahead of the offer (see
+    /// [`crate::protocol::Credit`]); `false`: on the offer.
+    pub credits: bool,
     pub sizes: PoolSizes,
     /// Connector faults this run injects (see [`crate::faults::HarnessFault`]).
     pub faults: Arc<HarnessFaults>,
@@ -432,6 +434,22 @@ struct Side<M> {
     mem: M,
 }
 
+/// An output produced in staging memory, waiting for its write.
+#[derive(Debug)]
+struct Staged {
+    lease: Lease,
+    len: u64,
+    digest: Digest128,
+}
+
+/// How a consumer's handoff starts: the offer already received (at `offered`), or a
+/// credit granted ahead that waits up to `offer_timeout` for it.
+#[derive(Debug, Clone, Copy)]
+struct Wait {
+    offered: Option<Instant>,
+    offer_timeout: Duration,
+}
+
 /// One stage: stub, hop ends, pools.
 #[derive(Debug)]
 pub struct StageWorker {
@@ -701,28 +719,38 @@ impl StageWorker {
             });
             e
         };
-        // Reserve only once the producer has its outputs (as a scheduler would),
-        // so pools are held for the handoff, not for the upstream's compute. A
-        // consumer that gives up waiting says so, or its producer would wait a hop timeout.
-        match link.recv(rid, self.cfg.request_timeout).await {
-            Ok(Msg::Offer { .. }) => {}
-            Ok(other) => return Err(refuse(bad_reply(hop.payload_kind, rid, other))),
-            Err(e) => {
-                let e = Classified::new(FailureKind::TimedOut, format!("no offer: {e}"));
-                return Err(refuse(hop_err(None, &e)));
+        // With credits (the default), the consumer reserves and grants at once, while
+        // upstream computes, and the producer's offer marks the handoff's start; without,
+        // it reserves only once the producer has its outputs, holding its pools for the
+        // handoff alone. A consumer that gives up waiting for the offer says so, or its
+        // producer would wait a hop timeout.
+        let offered = if self.cfg.credits {
+            None
+        } else {
+            match link.recv(rid, self.cfg.request_timeout).await {
+                Ok(Msg::Offer { .. }) => {}
+                Ok(other) => return Err(refuse(bad_reply(hop.payload_kind, rid, other))),
+                Err(e) => {
+                    let e = Classified::new(FailureKind::TimedOut, format!("no offer: {e}"));
+                    return Err(refuse(hop_err(None, &e)));
+                }
             }
-        }
-        let t0 = Instant::now();
+            Some(Instant::now())
+        };
+        let wait = Wait {
+            offered,
+            // A credit waits for the offer as long as the request may take.
+            offer_timeout: self.cfg.request_timeout.saturating_sub(started.elapsed()),
+        };
         let mut rec = Received {
             hop: hop.payload_kind.as_str().into(),
-            start_ms: Some(ms(t0.duration_since(started))),
             ..Default::default()
         };
         let times: HandoffTimes;
         let held: Held = match &side.mem {
             InMem::Ec(store) => {
                 let (held, t) = self
-                    .receive_ec(store, engine, link, plan, hop, rid, t0, &mut rec)
+                    .receive_ec(store, engine, link, plan, hop, rid, wait, &mut rec)
                     .await?;
                 times = t;
                 rec.verify_ms = ms(times.verify());
@@ -734,7 +762,7 @@ impl StageWorker {
                     .as_ref()
                     .ok_or_else(|| hop_err(None, &"no KV layout"))?;
                 let (held, t, first_block, moved) = self
-                    .receive_kv(kv, engine, link, plan, hop, layout, rid, t0)
+                    .receive_kv(kv, engine, link, plan, hop, layout, rid, wait)
                     .await?;
                 times = t;
                 rec.verify_ms = ms(times.verify());
@@ -746,7 +774,7 @@ impl StageWorker {
             }
             InMem::Pool(pool) => {
                 let (held, t) = self
-                    .receive_packet(pool, engine, link, plan, hop, rid, t0)
+                    .receive_packet(pool, engine, link, plan, hop, rid, wait)
                     .await?;
                 times = t;
                 rec.tensors = hop.tensors.len();
@@ -756,6 +784,9 @@ impl StageWorker {
             }
         };
         let end = Instant::now();
+        // A handoff that ended well had its offer.
+        let t0 = times.offered.unwrap_or(end);
+        rec.start_ms = Some(ms(t0.duration_since(started)));
         rec.handoff_ms = ms(end.duration_since(t0));
         rec.phases_ms = times.phases(end);
         Ok((held, rec))
@@ -772,7 +803,7 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
-        offered: Instant,
+        wait: Wait,
     ) -> Result<(LeasesHeld, HandoffTimes)> {
         let plan_err = |tensor: &str, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, Some(tensor), cause)
@@ -784,12 +815,15 @@ impl StageWorker {
         };
         let fault = self.fault(hop, rid);
         let mut m = PacketConsumer::new(hop.payload_kind, rid, hop.tensors.clone(), self.timeout());
-        m.handle_msg(
-            offered,
-            Msg::Offer {
-                request: rid.into(),
-            },
-        );
+        match wait.offered {
+            Some(at) => m.handle_msg(
+                at,
+                Msg::Offer {
+                    request: rid.into(),
+                },
+            ),
+            None => m.credit(Instant::now(), wait.offer_timeout),
+        }
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
@@ -832,13 +866,16 @@ impl StageWorker {
                     ConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -856,7 +893,7 @@ impl StageWorker {
         hop: &Hop,
         layout: &KvLayout,
         rid: &str,
-        offered: Instant,
+        wait: Wait,
     ) -> Result<(KvHeld, HandoffTimes, u32, usize)> {
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
@@ -878,12 +915,15 @@ impl StageWorker {
             layout.num_blocks,
             self.timeout(),
         );
-        m.handle_msg(
-            offered,
-            Msg::Offer {
-                request: rid.into(),
-            },
-        );
+        match wait.offered {
+            Some(at) => m.handle_msg(
+                at,
+                Msg::Offer {
+                    request: rid.into(),
+                },
+            ),
+            None => m.credit(Instant::now(), wait.offer_timeout),
+        }
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
@@ -984,13 +1024,16 @@ impl StageWorker {
                     KvConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -1056,7 +1099,7 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
-        offered: Instant,
+        wait: Wait,
         rec: &mut Received,
     ) -> Result<(EcHeld, HandoffTimes)> {
         let hop_err = |tensor: &str, cause: &dyn Cause| {
@@ -1072,12 +1115,15 @@ impl StageWorker {
             grants: vec![],
         };
         let mut m = EcConsumer::new(hop.payload_kind, rid, self.timeout());
-        m.handle_msg(
-            offered,
-            Msg::Offer {
-                request: rid.into(),
-            },
-        );
+        match wait.offered {
+            Some(at) => m.handle_msg(
+                at,
+                Msg::Offer {
+                    request: rid.into(),
+                },
+            ),
+            None => m.credit(Instant::now(), wait.offer_timeout),
+        }
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
@@ -1134,13 +1180,16 @@ impl StageWorker {
                     EcConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -1277,6 +1326,17 @@ impl StageWorker {
     ) -> Result<Sent> {
         let link = &side.end.link;
         let engine = &side.end.engine;
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        // The embeddings exist before the offer (see `send_packet`); entries the consumer
+        // has cached are produced too, as the encoder ran for them, but not moved.
+        let (staged, stage_ms) = match self.stage_outputs(pool, plan, hop, rid).await {
+            Ok(s) => s,
+            Err(e) => return Err(self.abort_staging(link, rid, e)),
+        };
+        sent.stage_ms = stage_ms;
         let mut m = EcProducer::new(
             Instant::now(),
             hop.payload_kind,
@@ -1284,10 +1344,6 @@ impl StageWorker {
             hop.tensors.clone(),
             self.timeout(),
         );
-        let mut sent = Sent {
-            hop: hop.payload_kind.as_str().into(),
-            ..Default::default()
-        };
         let mut writes: Vec<(usize, String, Grant)> = Vec::new();
         loop {
             while let Some(action) = m.poll_action() {
@@ -1312,32 +1368,35 @@ impl StageWorker {
                 }
             }
             if !writes.is_empty() {
-                // Stage every entry, then write them all in one engine batch.
+                // Every granted entry in one engine batch.
                 let mut requests = Vec::with_capacity(writes.len());
                 let mut indices = Vec::with_capacity(writes.len());
                 let mut names = Vec::with_capacity(writes.len());
-                let mut leases = Vec::with_capacity(writes.len());
-                let ts = Instant::now();
                 for (index, name, grant) in writes.drain(..) {
-                    match self.stage_tensor(pool, plan, hop, rid, &name, &grant).await {
-                        Ok((lease, len, digest)) => {
-                            m.staged(index, digest);
-                            requests.push(
-                                Request::write(&pool.buffer, lease.offset, &grant, 0, len)
-                                    .tagged(fault_tag(rid, &name)),
-                            );
-                            indices.push(index);
-                            names.push(name);
-                            sent.bytes += len;
-                            leases.push(lease);
-                        }
-                        Err((_, e)) => {
-                            m.stage_failed(index, e);
-                            break;
-                        }
-                    }
+                    let Some(s) = hop
+                        .tensors
+                        .iter()
+                        .position(|t| t.name == name)
+                        .map(|i| &staged[i])
+                    else {
+                        let e = HarnessError::handoff(
+                            hop.payload_kind,
+                            rid,
+                            Some(&name),
+                            &"not a tensor of this hop",
+                        );
+                        m.stage_failed(index, e);
+                        break;
+                    };
+                    m.staged(index, s.digest);
+                    requests.push(
+                        Request::write(&pool.buffer, s.lease.offset, &grant, 0, s.len)
+                            .tagged(fault_tag(rid, &name)),
+                    );
+                    indices.push(index);
+                    names.push(name);
+                    sent.bytes += s.len;
                 }
-                sent.stage_ms = ms(ts.elapsed());
                 if m.state() == EcProducerState::Writing {
                     sent.requests = requests.len();
                     sent.tensors = indices.len();
@@ -1346,7 +1405,10 @@ impl StageWorker {
                     let r = engine.transfer(requests, Some(self.timeout())).await;
                     sent.transfer_ms = ms(t.elapsed());
                     match r {
-                        Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                        Ok(_) => {
+                            let now = Instant::now();
+                            indices.iter().for_each(|&i| m.write_completed(now, i))
+                        }
                         Err(e) => {
                             let k = e.task();
                             let name = k.and_then(|k| names.get(k)).map(String::as_str);
@@ -1355,16 +1417,18 @@ impl StageWorker {
                         }
                     }
                 }
-                drop(leases);
                 continue;
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -1496,7 +1560,10 @@ impl StageWorker {
                 let r = engine.transfer(requests, Some(self.timeout())).await;
                 sent.transfer_ms = ms(t.elapsed());
                 match r {
-                    Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                    Ok(_) => {
+                        let now = Instant::now();
+                        indices.iter().for_each(|&i| m.write_completed(now, i))
+                    }
                     Err(e) => {
                         let k = e.task();
                         let name = k.and_then(|k| names.get(k)).map(String::as_str);
@@ -1506,13 +1573,16 @@ impl StageWorker {
                 }
                 continue;
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -1530,6 +1600,17 @@ impl StageWorker {
     ) -> Result<Sent> {
         let link = &side.end.link;
         let engine = &side.end.engine;
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        // The outputs exist before the offer, as a real stage's do when it finishes: the
+        // stub produces and digests them here, outside the handoff.
+        let (staged, stage_ms) = match self.stage_outputs(pool, plan, hop, rid).await {
+            Ok(s) => s,
+            Err(e) => return Err(self.abort_staging(link, rid, e)),
+        };
+        sent.stage_ms = stage_ms;
         let mut m = PacketProducer::new(
             Instant::now(),
             hop.payload_kind,
@@ -1537,6 +1618,9 @@ impl StageWorker {
             hop.tensors.clone(),
             self.timeout(),
         );
+        for (index, s) in staged.iter().enumerate() {
+            m.staged(index, s.digest);
+        }
         if let Some(
             f @ (HarnessFault::TruncatedSidecar
             | HarnessFault::UnknownVersionSidecar
@@ -1545,10 +1629,6 @@ impl StageWorker {
         {
             m = m.with_sidecar(move |p| faulty_sidecar(f, p));
         }
-        let mut sent = Sent {
-            hop: hop.payload_kind.as_str().into(),
-            ..Default::default()
-        };
         let mut writes: Vec<(usize, Grant)> = Vec::new();
         loop {
             while let Some(action) = m.poll_action() {
@@ -1565,64 +1645,88 @@ impl StageWorker {
                 }
             }
             if !writes.is_empty() {
-                // Stage every tensor, then write them all in one engine batch.
+                // Every tensor in one engine batch.
                 let mut requests = Vec::with_capacity(writes.len());
                 let mut indices = Vec::with_capacity(writes.len());
-                let mut leases = Vec::with_capacity(writes.len());
-                let ts = Instant::now();
                 for (index, grant) in writes.drain(..) {
-                    let name = &hop.tensors[index].name;
-                    match self.stage_tensor(pool, plan, hop, rid, name, &grant).await {
-                        Ok((lease, len, digest)) => {
-                            m.staged(index, digest);
-                            requests.push(
-                                Request::write(&pool.buffer, lease.offset, &grant, 0, len)
-                                    .tagged(fault_tag(rid, name)),
-                            );
-                            indices.push(index);
-                            sent.bytes += len;
-                            leases.push(lease);
-                        }
-                        Err((_, e)) => {
-                            m.stage_failed(index, e);
-                            break;
-                        }
+                    let (name, s) = (&hop.tensors[index].name, &staged[index]);
+                    requests.push(
+                        Request::write(&pool.buffer, s.lease.offset, &grant, 0, s.len)
+                            .tagged(fault_tag(rid, name)),
+                    );
+                    indices.push(index);
+                    sent.bytes += s.len;
+                }
+                sent.requests = requests.len();
+                sent.tensors = indices.len();
+                let t = Instant::now();
+                sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                let r = engine.transfer(requests, Some(self.timeout())).await;
+                sent.transfer_ms = ms(t.elapsed());
+                match r {
+                    Ok(_) => {
+                        let now = Instant::now();
+                        indices.iter().for_each(|&i| m.write_completed(now, i))
+                    }
+                    Err(e) => {
+                        let index = e.task().and_then(|k| indices.get(k).copied());
+                        let name = index.map(|i| hop.tensors[i].name.as_str());
+                        let err = HarnessError::handoff(hop.payload_kind, rid, name, &e);
+                        m.write_failed(index, err);
                     }
                 }
-                sent.stage_ms = ms(ts.elapsed());
-                if m.state() == ProducerState::Writing {
-                    sent.requests = requests.len();
-                    sent.tensors = indices.len();
-                    let t = Instant::now();
-                    sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-                    let r = engine.transfer(requests, Some(self.timeout())).await;
-                    sent.transfer_ms = ms(t.elapsed());
-                    match r {
-                        Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
-                        Err(e) => {
-                            let index = e.task().and_then(|k| indices.get(k).copied());
-                            let name = index.map(|i| hop.tensors[i].name.as_str());
-                            let err = HarnessError::handoff(hop.payload_kind, rid, name, &e);
-                            m.write_failed(index, err);
-                        }
-                    }
-                }
-                drop(leases);
                 continue;
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
 
+    /// Produces and digests every output of `hop` in staging memory (one lease each),
+    /// before the offer; returns them in the hop's order and how long that took.
+    async fn stage_outputs(
+        &self,
+        pool: &Arc<Pool>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+    ) -> std::result::Result<(Vec<Staged>, f64), (Vec<String>, HarnessError)> {
+        let ts = Instant::now();
+        let mut staged = Vec::with_capacity(hop.tensors.len());
+        for t in &hop.tensors {
+            staged.push(self.stage_tensor(pool, plan, hop, rid, &t.name).await?);
+        }
+        Ok((staged, ms(ts.elapsed())))
+    }
+
+    /// Staging an output failed before its offer: tell the consumer (waiting for the
+    /// offer, perhaps with a credit granted), naming the output.
+    fn abort_staging(
+        &self,
+        link: &Link,
+        rid: &str,
+        (failed, e): (Vec<String>, HarnessError),
+    ) -> HarnessError {
+        let _ = link.send(Msg::Error {
+            request: rid.into(),
+            failed,
+            cause: e.to_string(),
+            kind: e.failure_kind(),
+            peer: e.failure_peer(),
+        });
+        e
+    }
+
     /// Reserves staging space for output `name`, produces it there, and digests it.
-    #[allow(clippy::too_many_arguments)]
     async fn stage_tensor(
         &self,
         pool: &Arc<Pool>,
@@ -1630,8 +1734,7 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
         name: &str,
-        grant: &Grant,
-    ) -> std::result::Result<(Lease, u64, Digest128), (Vec<String>, HarnessError)> {
+    ) -> std::result::Result<Staged, (Vec<String>, HarnessError)> {
         let fail = |cause: &dyn Cause| {
             (
                 vec![name.to_string()],
@@ -1641,12 +1744,6 @@ impl StageWorker {
         let spec = hop
             .tensor(name)
             .ok_or_else(|| fail(&"not a tensor of this hop"))?;
-        if grant.len < spec.byte_length {
-            return Err(fail(&format!(
-                "grant of {} bytes for {} bytes",
-                grant.len, spec.byte_length
-            )));
-        }
         let len = spec.byte_length;
         let lease = pool
             .reserve(len, self.timeout())
@@ -1660,7 +1757,7 @@ impl StageWorker {
         })
         .map_err(|e| fail(&e))?
         .map_err(|e| fail(&e))?;
-        Ok((lease, len, digest))
+        Ok(Staged { lease, len, digest })
     }
 
     // ---------------------------------------------------------------- teardown

@@ -314,6 +314,7 @@ impl Producer {
             link.send(Msg::Packet {
                 request: rid.into(),
                 packet: body,
+                writing_us: 0,
             })?;
         } else {
             // With credits the destination was granted ahead; else ask for it now.
@@ -370,6 +371,7 @@ impl Producer {
                 Msg::Packet {
                     request: rid.into(),
                     packet: sidecar,
+                    writing_us: 0,
                 }
             } else {
                 Msg::Finish {
@@ -382,6 +384,7 @@ impl Producer {
                             digest: d.to_hex(),
                         })
                         .collect(),
+                    writing_us: 0,
                 }
             };
             link.send(reply)?;
@@ -701,6 +704,7 @@ async fn consume(
                 link.send(Msg::Finish {
                     request: rid.into(),
                     digests: vec![],
+                    writing_us: 0,
                 })?
                 // (With credits, the next credit follows at the top of the loop.)
             }
