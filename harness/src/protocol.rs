@@ -1350,4 +1350,189 @@ mod tests {
             matches!(p.to_consumer.as_slice(), [Msg::Error { failed, .. }] if failed == &["codes.audio".to_string()])
         );
     }
+
+    // ---- credits: the consumer grants ahead of the offer
+
+    const WAIT: Duration = Duration::from_secs(30);
+
+    impl Pair {
+        /// The consumer grants ahead (a credit) while the producer offers: both cross.
+        fn run_with_credit_until_writing(&mut self) {
+            self.consumer.credit(self.now, WAIT);
+            self.pump(); // producer: offer; consumer: reserve + grant (the credit)
+            assert_eq!(self.consumer.state(), ConsumerState::Granted);
+            self.deliver(); // the offer and the credit cross
+            assert_eq!(self.producer.state(), ProducerState::Writing);
+            assert_eq!(self.writes.len(), 2);
+        }
+    }
+
+    #[test]
+    fn a_credit_takes_the_reservation_off_the_handoff() {
+        let mut p = Pair::new();
+        p.run_with_credit_until_writing();
+        let t = p.consumer.times();
+        assert_eq!(t.offered, t.granted, "granted ahead: no reserve phase");
+        p.now += Duration::from_millis(3);
+        p.complete_writes();
+        p.deliver();
+        assert_eq!(p.revoked.len(), 2, "the fence revokes the credit's grants");
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        let t = p.consumer.times();
+        assert_eq!(t.reserve(), Duration::ZERO);
+        assert_eq!(t.transfer(), Duration::from_millis(3));
+    }
+
+    #[test]
+    fn an_offer_seen_late_dates_the_handoff_from_the_producers_offer() {
+        let mut p = Pair::new();
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        // The credit reaches the producer, which writes for 5 ms; the consumer, busy, sees
+        // the offer only with the packet.
+        let offer = std::mem::take(&mut p.to_consumer);
+        p.deliver();
+        p.now += Duration::from_millis(5);
+        p.complete_writes();
+        let packet = std::mem::take(&mut p.to_consumer);
+        p.to_consumer = offer.into_iter().chain(packet).collect();
+        p.deliver();
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        // The reply wait covers the producer's 5 ms of writing, not the 0 ms it saw.
+        assert_eq!(p.consumer.times().transfer(), Duration::from_millis(5));
+        assert_eq!(p.consumer.times().reserve(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_credit_revoked_while_a_write_is_in_flight_ends_in_error_not_packet() {
+        let mut p = Pair::new();
+        p.run_with_credit_until_writing();
+        // The hop's deadline runs from the offer: the consumer gives up with both writes in
+        // flight and revokes the credit.
+        let due = p
+            .consumer
+            .poll_timeout()
+            .expect("the offer started the deadline");
+        assert_eq!(due, p.now + TIMEOUT);
+        p.now = due;
+        p.consumer.handle_timeout(p.now);
+        p.pump();
+        assert_eq!(p.consumer_error().failure_kind(), FailureKind::TimedOut);
+        assert_eq!(p.revoked.len(), 2);
+        // One write had landed; the engine refuses the other (its grant is gone).
+        let (a, _) = p.writes.remove(0);
+        let (b, _) = p.writes.remove(0);
+        p.producer.write_completed(p.now, a);
+        let revoked = omnirig_transports::Error::new(
+            omnirig_transports::ErrorKind::GrantRevoked,
+            "grant revoked",
+        );
+        let e = HarnessError::handoff(
+            PayloadKind::TalkerToCode2wav,
+            "r1",
+            Some("embed.tts_pad"),
+            &revoked,
+        );
+        p.producer.write_failed(Some(b), e);
+        p.pump();
+        assert!(
+            !p.to_consumer
+                .iter()
+                .any(|m| matches!(m, Msg::Packet { .. })),
+            "a packet announced a write into a revoked credit"
+        );
+        assert!(
+            matches!(&p.producer_end, Some(Err(e)) if e.failure_kind() == FailureKind::GrantRefused)
+        );
+        p.deliver();
+        assert!(p.verify.is_empty());
+        assert_eq!(
+            p.consumer.stale(),
+            1,
+            "the producer's ERROR came after the end"
+        );
+    }
+
+    #[test]
+    fn a_credit_whose_offer_never_comes_is_revoked_and_upstream_told() {
+        let mut p = Pair::new();
+        p.producer.poll_action(); // the producer's offer is lost upstream of it
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        assert_eq!(p.consumer.poll_timeout(), Some(p.now + WAIT));
+        // Not yet: the hop's (shorter) timeout does not apply before the offer.
+        p.now += TIMEOUT;
+        p.consumer.handle_timeout(p.now);
+        p.pump();
+        assert!(p.consumer_end.is_none());
+        p.now += WAIT;
+        p.consumer.handle_timeout(p.now);
+        p.pump();
+        let e = p.consumer_error();
+        assert_eq!(e.failure_kind(), FailureKind::TimedOut);
+        assert!(e.to_string().contains("no offer"), "{e}");
+        assert_eq!(p.revoked.len(), 2, "the credit's grants are revoked");
+        // Upstream hears it after the credit: a producer that comes late is refused.
+        assert!(matches!(
+            p.to_producer.as_slice(),
+            [Msg::StageReserve { .. }, Msg::Refuse { .. }]
+        ));
+    }
+
+    #[test]
+    fn a_credit_whose_upstream_failed_is_revoked_with_upstreams_kind() {
+        let mut p = Pair::new();
+        p.producer.poll_action();
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        p.consumer.handle_msg(
+            p.now,
+            Msg::Error {
+                request: "r1".into(),
+                failed: vec![],
+                cause: "talker did not run".into(),
+                kind: FailureKind::Corrupt,
+                peer: None,
+            },
+        );
+        p.pump();
+        assert_eq!(p.consumer_error().failure_kind(), FailureKind::Corrupt);
+        assert_eq!(p.revoked.len(), 2);
+    }
+
+    #[test]
+    fn a_packet_before_a_credits_offer_is_refused_and_fenced() {
+        let mut p = Pair::new();
+        p.run_with_credit_until_writing();
+        // A second consumer, granted ahead, gets that packet without its offer.
+        let mut c = PacketConsumer::new(PayloadKind::TalkerToCode2wav, "r1", tensors(), TIMEOUT);
+        c.credit(p.now, WAIT);
+        assert!(matches!(c.poll_action(), Some(ConsumerAction::Reserve)));
+        let made = vec![grant(0, 512), grant(4096, 16)];
+        c.granted(p.now, made.clone(), made, vec![0, 4096]);
+        p.complete_writes();
+        let packet = p
+            .to_consumer
+            .iter()
+            .find(|m| matches!(m, Msg::Packet { .. }))
+            .cloned()
+            .expect("the real producer's packet");
+        c.handle_msg(p.now, packet);
+        let mut revoked = 0;
+        let mut failed = None;
+        while let Some(a) = c.poll_action() {
+            match a {
+                ConsumerAction::Revoke(g) => revoked += g.len(),
+                ConsumerAction::Failed(e) => failed = Some(e),
+                ConsumerAction::Verify { .. } => panic!("verified a packet without its offer"),
+                _ => {}
+            }
+        }
+        assert_eq!(revoked, 2);
+        let e = failed.expect("the handoff failed");
+        assert_eq!(e.failure_kind(), FailureKind::BadSidecar);
+        assert!(e.to_string().contains("before its offer"), "{e}");
+    }
 }

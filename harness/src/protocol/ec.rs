@@ -951,4 +951,25 @@ mod tests {
         assert!(p.verify.is_empty() && p.cache.is_empty());
         assert_eq!(p.revoked.len(), 3);
     }
+
+    #[test]
+    fn a_credit_takes_entries_before_the_offer_and_caches_what_moved() {
+        const WAIT: Duration = Duration::from_secs(30);
+        let mut p = Pair::new(vec!["embed.audio.0"]);
+        p.consumer.credit(p.now, WAIT);
+        p.pump(); // the encoder's offer and the credit cross
+        assert_eq!(p.consumer.state(), EcConsumerState::Granted);
+        p.deliver();
+        assert_eq!(p.producer.state(), EcProducerState::Writing);
+        p.now += Duration::from_millis(4);
+        p.complete_writes();
+        p.deliver();
+        p.verify_all(None);
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        let t = p.consumer.times();
+        assert_eq!(
+            (t.reserve(), t.transfer()),
+            (Duration::ZERO, Duration::from_millis(4))
+        );
+    }
 }

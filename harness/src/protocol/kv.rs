@@ -1027,4 +1027,55 @@ mod tests {
             other => panic!("{other:?}"),
         }
     }
+
+    #[test]
+    fn a_credit_grants_the_tail_before_the_offer_and_a_finish_without_offer_is_refused() {
+        const WAIT: Duration = Duration::from_secs(30);
+        let mut p = Pair::new(2, vec![5, 6, 7]);
+        let offer = p.producer.poll_action();
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        // Reserved and granted with no offer seen: the reservation waits for prefill.
+        assert_eq!(p.consumer.state(), KvConsumerState::Granted);
+        assert!(matches!(p.to_producer.as_slice(), [Msg::KvReserve { .. }]));
+        assert_eq!(p.consumer.poll_timeout(), Some(p.now + WAIT));
+        let Some(KvProducerAction::Send(offer)) = offer else {
+            panic!("the producer offers first")
+        };
+        // The offer arrives after 2 ms; the reservation crosses it.
+        p.now += Duration::from_millis(2);
+        p.consumer.handle_msg(p.now, offer);
+        assert_eq!(p.consumer.poll_timeout(), Some(p.now + TIMEOUT));
+        p.deliver();
+        assert_eq!(p.producer.state(), KvProducerState::Writing);
+        p.complete_writes();
+        p.deliver();
+        p.consumer.verified(p.now, Ok(()));
+        p.pump();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        assert_eq!(p.consumer.times().reserve(), Duration::ZERO);
+        assert_eq!(
+            p.revoked.len(),
+            2 * LAYERS as usize,
+            "one run per layer and K/V"
+        );
+
+        // A FINISH with no offer before it is not prefill's: refused, the credit revoked.
+        let mut q = Pair::new(0, vec![1, 2, 3, 4, 5]);
+        q.producer.poll_action();
+        q.consumer.credit(q.now, WAIT);
+        q.pump();
+        q.consumer.handle_msg(
+            q.now,
+            Msg::Finish {
+                request: "r1".into(),
+                digests: vec![],
+                writing_us: 0,
+            },
+        );
+        q.pump();
+        assert!(q.consumer_error().to_string().contains("before its offer"));
+        assert_eq!(q.revoked.len(), 2 * LAYERS as usize);
+        assert_eq!(q.verifies, 0);
+    }
 }
