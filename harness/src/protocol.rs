@@ -93,13 +93,21 @@ impl HandoffTimes {
             _ => Duration::ZERO,
         }
     }
-    /// Offer -> reservation sent.
-    pub fn reserve(&self) -> Duration {
-        Self::span(self.offered, self.granted)
+    /// When the destination was in place for the offer's outputs: the grant, or the offer
+    /// itself when a credit was granted ahead of it.
+    fn ready(&self) -> Option<Instant> {
+        match (self.offered, self.granted) {
+            (Some(o), Some(g)) => Some(o.max(g)),
+            (o, g) => g.or(o),
+        }
     }
-    /// Reservation sent -> packet arrived (the producer staged and wrote in between).
+    /// Offer -> reservation sent (zero for a credit granted ahead).
+    pub fn reserve(&self) -> Duration {
+        Self::span(self.offered, self.ready())
+    }
+    /// Reservation in place -> packet arrived (the producer wrote in between).
     pub fn transfer(&self) -> Duration {
-        Self::span(self.granted, self.replied)
+        Self::span(self.ready(), self.replied)
     }
     /// Grants revoked (or, before that is known, packet arrived) -> every tensor verified.
     pub fn verify(&self) -> Duration {
@@ -116,8 +124,8 @@ impl HandoffTimes {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let fenced = self.fenced.or(self.replied);
         crate::stage::HandoffPhases {
-            reserve: ms(Self::span(self.offered, self.granted)),
-            transfer: ms(Self::span(self.granted, self.replied)),
+            reserve: ms(self.reserve()),
+            transfer: ms(self.transfer()),
             fence: ms(Self::span(self.replied, fenced)),
             verify: ms(Self::span(fenced, self.verified)),
             ack: ms(Self::span(self.verified, Some(end))),
@@ -150,8 +158,8 @@ impl Credit {
 
     /// Whether `Offer` is a credit's offer (the reservation is under way or granted): it
     /// marks the handoff's start. A credit granted ahead starts with its destination in
-    /// place (reserve phase zero) and its reply deadline (`timeout`) runs from the offer;
-    /// returns that deadline, if the grant is in place.
+    /// place (no reserve phase, see [`HandoffTimes::reserve`]) and its reply deadline
+    /// (`timeout`) runs from the offer; returns that deadline, if the grant is in place.
     fn offered(
         &self,
         now: Instant,
@@ -163,11 +171,7 @@ impl Credit {
             return None;
         }
         times.offered = Some(now);
-        if granted {
-            times.granted = Some(now);
-            return Some(Some(now + timeout));
-        }
-        Some(None)
+        Some(granted.then_some(now + timeout))
     }
 
     /// The deadline of a reservation granted at `now`: a credit waits for its offer, else
@@ -205,11 +209,8 @@ impl Credit {
         };
         // An offer made before this consumer started the request dates from that start.
         let start = self.since.map_or(start, |since| start.max(since));
+        // If the grant came after that start, the producer waited for it: reserve phase.
         if start < seen {
-            // Granted ahead, the destination was in place at the offer.
-            if times.granted == Some(seen) {
-                times.granted = Some(start);
-            }
             times.offered = Some(start);
         }
     }
@@ -1372,7 +1373,11 @@ mod tests {
         let mut p = Pair::new();
         p.run_with_credit_until_writing();
         let t = p.consumer.times();
-        assert_eq!(t.offered, t.granted, "granted ahead: no reserve phase");
+        assert_eq!(
+            t.reserve(),
+            Duration::ZERO,
+            "granted ahead: no reserve phase"
+        );
         p.now += Duration::from_millis(3);
         p.complete_writes();
         p.deliver();
@@ -1534,5 +1539,23 @@ mod tests {
         let e = failed.expect("the handoff failed");
         assert_eq!(e.failure_kind(), FailureKind::BadSidecar);
         assert!(e.to_string().contains("before its offer"), "{e}");
+    }
+
+    #[test]
+    fn a_producer_that_offers_before_the_credit_is_granted_waits_in_the_reserve_phase() {
+        let mut p = Pair::new(); // the producer offers at 0 ms
+        p.consumer.credit(p.now, WAIT);
+        p.now += Duration::from_millis(2);
+        p.pump(); // the consumer grants at 2 ms
+        p.deliver(); // and sees the offer then
+        p.now += Duration::from_millis(3);
+        p.complete_writes(); // the packet leaves 5 ms after the offer
+        p.deliver();
+        p.verify_all();
+        let t = p.consumer.times();
+        assert_eq!(
+            (t.reserve(), t.transfer()),
+            (Duration::from_millis(2), Duration::from_millis(3))
+        );
     }
 }
