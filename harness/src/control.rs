@@ -132,6 +132,11 @@ pub enum Msg {
         /// The producer's offer -> this packet, on its clock (µs), as in `Finish`.
         #[serde(default)]
         writing_us: u64,
+        /// A small packet's tensors, in the packet layout
+        /// ([`crate::inline::packet_layout`]), instead of written into the grants; empty:
+        /// they were written.
+        #[serde(default, with = "serde_bytes")]
+        inline: Vec<u8>,
     },
     /// ERROR: the named tensors (or blocks) failed to move, and why.
     Error {
@@ -280,6 +285,16 @@ impl Msg {
                 return Err(HarnessError::Control {
                     channel: "decode".into(),
                     reason: format!("packet of {} bytes is too large", packet.len()),
+                });
+            }
+            Msg::Packet { inline, .. } if inline.len() > crate::inline::MAX_INLINE => {
+                return Err(HarnessError::Control {
+                    channel: "decode".into(),
+                    reason: format!(
+                        "inline payload of {} bytes exceeds {}",
+                        inline.len(),
+                        crate::inline::MAX_INLINE
+                    ),
                 });
             }
             _ => {}

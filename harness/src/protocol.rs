@@ -29,6 +29,7 @@ use omnirig_transports::Grant;
 
 use crate::control::{Msg, NamedGrant};
 use crate::error::{Cause, Classified, FailureKind, HarnessError};
+use crate::inline::packet_layout;
 
 /// The error a hop's end reports when its peer answered with `msg` instead of what the
 /// protocol expects next (an ERROR keeps the producer's kind and peer).
@@ -248,6 +249,13 @@ pub enum ConsumerAction {
     Send(Msg),
     /// Revoke these grants now: no byte may land after this.
     Revoke(Vec<Grant>),
+    /// An inline packet: copy `bytes` (tensor `index`) to `offset` in the pool, where its
+    /// grant pointed; a failure is reported through [`PacketConsumer::verified`].
+    Land {
+        index: usize,
+        offset: u64,
+        bytes: Vec<u8>,
+    },
     /// Digest the landed bytes of tensor `index` and call [`PacketConsumer::verified`].
     Verify {
         index: usize,
@@ -404,20 +412,39 @@ impl PacketConsumer {
             (
                 ConsumerState::Granted,
                 Msg::Packet {
-                    packet, writing_us, ..
+                    packet,
+                    writing_us,
+                    inline,
+                    ..
                 },
             ) => {
                 self.times.replied = Some(now);
                 self.credit.replied(now, writing_us, &mut self.times);
                 self.deadline = None;
-                // The fence: the producer says every write completed; nothing lands after this.
+                // The fence: the producer says every write completed (or, inline, that it
+                // wrote none); nothing lands through the grants after this.
                 self.actions
                     .push_back(ConsumerAction::Revoke(std::mem::take(&mut self.grants)));
-                match self.check_packet(&packet) {
+                match self
+                    .check_packet(&packet)
+                    .and_then(|e| self.check_inline(&inline).map(|()| e))
+                {
                     Ok(expected) => {
                         self.expected = expected;
                         self.verified = vec![false; self.tensors.len()];
                         self.state = ConsumerState::Verifying;
+                        if !inline.is_empty() {
+                            let (at, _) =
+                                packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+                            for (index, (t, a)) in self.tensors.iter().zip(at).enumerate() {
+                                let a = a as usize;
+                                self.actions.push_back(ConsumerAction::Land {
+                                    index,
+                                    offset: self.offsets[index],
+                                    bytes: inline[a..a + t.byte_length as usize].to_vec(),
+                                });
+                            }
+                        }
                         for (index, t) in self.tensors.iter().enumerate() {
                             self.actions.push_back(ConsumerAction::Verify {
                                 index,
@@ -566,6 +593,27 @@ impl PacketConsumer {
         }
     }
 
+    /// An inline payload (if any) spans exactly the packet layout of this hop's tensors.
+    fn check_inline(&self, inline: &[u8]) -> std::result::Result<(), HarnessError> {
+        if inline.is_empty() {
+            return Ok(());
+        }
+        let (_, span) = packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+        if inline.len() as u64 != span {
+            return Err(self.err(
+                None,
+                &Classified::new(
+                    FailureKind::BadSidecar,
+                    format!(
+                        "inline payload of {} bytes, the packet's layout spans {span}",
+                        inline.len()
+                    ),
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Decodes and checks the sidecar: version, request, kind, one entry per tensor with the
     /// expected dtype and shape. Returns the declared digests in the hop's order.
     fn check_packet(&self, bytes: &[u8]) -> std::result::Result<Vec<Digest128>, HarnessError> {
@@ -608,6 +656,8 @@ impl PacketConsumer {
 pub enum ProducerState {
     /// Offer sent; waiting for the reservation (the deadline runs).
     Offered,
+    /// A small packet: waiting for the driver to lay its tensors out inline.
+    Inlining,
     /// Writes issued; waiting for every one to complete.
     Writing,
     /// Packet sent: the handoff is the consumer's now.
@@ -629,6 +679,9 @@ pub enum ProducerAction {
         tensor: String,
         grant: Grant,
     },
+    /// Lay every staged tensor out in the packet layout ([`packet_layout`]) and call
+    /// [`PacketProducer::inlined`]: the packet carries them, no write is made.
+    Inline,
     /// The packet is out: the handoff ended well on this side.
     Done,
     Failed(HarnessError),
@@ -699,6 +752,50 @@ impl PacketProducer {
             request: rid.into(),
         }));
         p
+    }
+
+    /// Packets of at most `bytes` (in the packet layout) carry their tensors inline: one
+    /// message after the offer, no reservation waited for, no write (the consumer copies
+    /// them where it reserved). For payloads of a few KiB, where the round trips cost more
+    /// than the bytes. Zero: never.
+    pub fn with_inline_below(mut self, bytes: u64) -> Self {
+        let (_, span) = packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+        if self.state == ProducerState::Offered && span > 0 && span <= bytes {
+            self.state = ProducerState::Inlining;
+            self.deadline = None;
+            self.actions.push_back(ProducerAction::Inline);
+        }
+        self
+    }
+
+    /// The driver laid the staged tensors out (`bytes`, the packet layout): the packet
+    /// goes with them.
+    pub fn inlined(&mut self, now: Instant, bytes: Vec<u8>) {
+        if self.state != ProducerState::Inlining {
+            self.stale += 1;
+            return;
+        }
+        let (_, span) = packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+        if bytes.len() as u64 != span {
+            let e = self.err(
+                None,
+                &format!(
+                    "inline payload of {} bytes for a {span}-byte layout",
+                    bytes.len()
+                ),
+            );
+            return self.fail(vec![], e, true);
+        }
+        self.announce(now, None, bytes);
+    }
+
+    /// The driver could not lay the tensors out for an inline packet.
+    pub fn inline_failed(&mut self, e: HarnessError) {
+        if self.state == ProducerState::Inlining {
+            self.fail(vec![], e, true);
+        } else {
+            self.stale += 1;
+        }
     }
 
     /// Sends `f(packet)` instead of the packet (fault injection: a malformed sidecar).
@@ -887,23 +984,32 @@ impl PacketProducer {
         if !self.written.iter().all(|&w| w) {
             return;
         }
+        self.announce(now, Some(()), vec![]);
+    }
+
+    /// Sends the packet: entries with their digests and, when written (`written`), where
+    /// each went; `inline`: the tensors themselves.
+    fn announce(&mut self, now: Instant, written: Option<()>, inline: Vec<u8>) {
         let mut entries = Vec::with_capacity(self.tensors.len());
         for (i, t) in self.tensors.iter().enumerate() {
             let Some(digest) = self.digests[i] else {
                 let e = self.err(Some(&t.name), &"written but never staged (no digest)");
                 return self.fail(vec![t.name.clone()], e, true);
             };
-            let g = self.grants[i].as_ref().expect("granted before writing");
+            let transfer_key = match (written, &self.grants[i]) {
+                (Some(()), Some(g)) => Some(omnirig_fixtures::packet::TransferKey::Text(format!(
+                    "{}/{}@{}",
+                    g.segment, g.buffer, g.offset
+                ))),
+                _ => None,
+            };
             entries.push(TensorEntry {
                 name: t.name.clone(),
                 dtype: t.dtype,
                 shape: t.shape.clone(),
                 byte_length: t.byte_length,
                 digest,
-                transfer_key: Some(omnirig_fixtures::packet::TransferKey::Text(format!(
-                    "{}/{}@{}",
-                    g.segment, g.buffer, g.offset
-                ))),
+                transfer_key,
             });
         }
         let packet = Packet::new(&self.rid, self.kind, 0, true, entries);
@@ -922,6 +1028,7 @@ impl PacketProducer {
             request: self.rid.clone(),
             writing_us: micros_since(self.offered_at, now),
             packet: bytes,
+            inline,
         }));
         self.actions.push_back(ProducerAction::Done);
     }
@@ -972,6 +1079,8 @@ mod tests {
         revoked: Vec<Grant>,
         verify: Vec<(usize, String)>,
         writes: Vec<(usize, Grant)>,
+        /// Inline tensors the consumer copied into its pool: (index, offset, bytes).
+        landed: Vec<(usize, u64, Vec<u8>)>,
         consumer_end: Option<std::result::Result<(), HarnessError>>,
         producer_end: Option<std::result::Result<(), HarnessError>>,
     }
@@ -994,6 +1103,7 @@ mod tests {
                 revoked: vec![],
                 verify: vec![],
                 writes: vec![],
+                landed: vec![],
                 consumer_end: None,
                 producer_end: None,
             }
@@ -1008,6 +1118,16 @@ mod tests {
                     ProducerAction::Write { index, grant, .. } => {
                         self.producer.staged(index, digest_of(index));
                         self.writes.push((index, grant));
+                    }
+                    ProducerAction::Inline => {
+                        let (at, span) = packet_layout(tensors().iter().map(|t| &t.byte_length));
+                        let mut bytes = vec![0u8; span as usize];
+                        for (i, (t, a)) in tensors().iter().zip(at).enumerate() {
+                            self.producer.staged(i, digest_of(i));
+                            let a = a as usize;
+                            bytes[a..a + t.byte_length as usize].fill(0x10 + i as u8);
+                        }
+                        self.producer.inlined(self.now, bytes);
                     }
                     ProducerAction::Done => self.producer_end = Some(Ok(())),
                     ProducerAction::Failed(e) => self.producer_end = Some(Err(e)),
@@ -1026,6 +1146,11 @@ mod tests {
                     }
                     ConsumerAction::Send(m) => self.to_producer.push(m),
                     ConsumerAction::Revoke(g) => self.revoked.extend(g),
+                    ConsumerAction::Land {
+                        index,
+                        offset,
+                        bytes,
+                    } => self.landed.push((index, offset, bytes)),
                     ConsumerAction::Verify { index, tensor, .. } => {
                         self.verify.push((index, tensor))
                     }
@@ -1557,5 +1682,101 @@ mod tests {
             (t.reserve(), t.transfer()),
             (Duration::from_millis(2), Duration::from_millis(3))
         );
+    }
+
+    // ---- inline: a small packet carries its tensors
+
+    fn inline_producer(now: Instant) -> PacketProducer {
+        PacketProducer::new(now, PayloadKind::TalkerToCode2wav, "r1", tensors(), TIMEOUT)
+            .with_inline_below(1 << 20)
+    }
+
+    #[test]
+    fn a_small_packet_travels_inline_and_lands_where_the_credit_points() {
+        let mut p = Pair::new();
+        p.producer = inline_producer(p.now);
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        // Offer and packet left back to back, without waiting for the credit.
+        assert!(matches!(
+            p.to_consumer.as_slice(),
+            [Msg::Offer { .. }, Msg::Packet { inline, .. }] if !inline.is_empty()
+        ));
+        assert_eq!(p.producer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        p.deliver();
+        assert!(p.writes.is_empty(), "an inline packet writes nothing");
+        assert_eq!(
+            p.producer.stale(),
+            1,
+            "the credit reached a producer that was done"
+        );
+        assert_eq!(p.revoked.len(), 2, "the unused credit is revoked");
+        // Each tensor lands at its grant's offset, with its own bytes.
+        let landed: Vec<_> = p
+            .landed
+            .iter()
+            .map(|(i, off, b)| (*i, *off, b.len(), b.iter().all(|&x| x == 0x10 + *i as u8)))
+            .collect();
+        assert_eq!(landed, [(0, 0, 512, true), (1, 4096, 16, true)]);
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+    }
+
+    #[test]
+    fn an_inline_packet_after_a_reservation_on_the_offer_lands_too() {
+        let mut p = Pair::new();
+        p.producer = inline_producer(p.now);
+        p.pump();
+        let mut msgs = std::mem::take(&mut p.to_consumer);
+        let packet = msgs.pop().expect("offer and packet");
+        p.to_consumer = msgs;
+        p.deliver(); // the offer: the consumer reserves and grants
+        assert_eq!(p.consumer.state(), ConsumerState::Granted);
+        p.to_consumer = vec![packet];
+        p.deliver();
+        assert_eq!(p.landed.len(), 2);
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+    }
+
+    #[test]
+    fn an_inline_payload_that_does_not_span_the_layout_is_refused_before_landing() {
+        let mut p = Pair::new();
+        p.producer = inline_producer(p.now);
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        for m in &mut p.to_consumer {
+            if let Msg::Packet { inline, .. } = m {
+                inline.truncate(100);
+            }
+        }
+        p.deliver();
+        assert!(
+            p.landed.is_empty(),
+            "bytes landed from a short inline payload"
+        );
+        let e = p.consumer_error();
+        assert_eq!(e.failure_kind(), FailureKind::BadSidecar);
+        assert!(e.to_string().contains("inline payload of 100 bytes"), "{e}");
+        assert_eq!(p.revoked.len(), 2);
+    }
+
+    #[test]
+    fn a_packet_larger_than_the_inline_threshold_is_written() {
+        let mut p = Pair::new();
+        p.producer = PacketProducer::new(
+            p.now,
+            PayloadKind::TalkerToCode2wav,
+            "r1",
+            tensors(),
+            TIMEOUT,
+        )
+        .with_inline_below(64);
+        p.run_until_writing();
+        p.complete_writes();
+        assert!(matches!(
+            p.to_consumer.as_slice(),
+            [Msg::Packet { inline, .. }] if inline.is_empty()
+        ));
     }
 }

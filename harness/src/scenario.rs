@@ -119,6 +119,12 @@ pub struct Scenario {
     /// How long a stage waits for its upstream's offer (all upstream work).
     #[serde(default = "six_hundred")]
     pub request_timeout_s: f64,
+    /// Stage-packet hops whose packet (in the packet layout) is at most this many bytes
+    /// send their tensors inline with it, on the control link, instead of writing them
+    /// through the engine (see [`crate::protocol::PacketProducer::with_inline_below`]).
+    /// 0 (the default): never; transport faults need the engine path to strike.
+    #[serde(default)]
+    pub inline_below: u64,
     pub requests: Vec<RequestEntry>,
     /// Scripted faults (see [`crate::faults`]); in-process runs only.
     #[serde(default)]
@@ -299,6 +305,7 @@ impl Scenario {
             distinct_outputs: true,
             hop_timeout_s: 60.0,
             request_timeout_s: 600.0,
+            inline_below: 0,
             requests: vec![RequestEntry {
                 case: Some(case.into()),
                 name: None,
@@ -591,6 +598,7 @@ impl Scenario {
             request_timeout: Duration::from_secs_f64(self.request_timeout_s),
             prefix_cache: self.prefix_cache,
             credits: true,
+            inline_below: self.inline_below,
             sizes,
             // Validated with the scenario; a scenario built in code without faults has none.
             faults: Arc::new(

@@ -24,6 +24,7 @@ use crate::control::{Link, Msg};
 use crate::ec::{EcAcquire, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
+use crate::inline::packet_layout;
 use crate::kv::{BlockPool, KvGeometry, block_hash, contiguous_runs};
 use crate::pool::{Lease, Pool};
 use crate::protocol::ec::{
@@ -64,6 +65,8 @@ pub struct StageConfig {
     /// Consumers reserve and grant at the request's start, ahead of the offer (see
     /// [`crate::protocol::Credit`]); `false`: on the offer.
     pub credits: bool,
+    /// Stage-packet hops carry packets of at most this many bytes inline (0: never).
+    pub inline_below: u64,
     pub sizes: PoolSizes,
     /// Connector faults this run injects (see [`crate::faults::HarnessFault`]).
     pub faults: Arc<HarnessFaults>,
@@ -845,6 +848,16 @@ impl StageWorker {
                         revoke_all(engine, &grants);
                         m.fenced(Instant::now());
                     }
+                    ConsumerAction::Land {
+                        index,
+                        offset,
+                        bytes,
+                    } => {
+                        if let Err(e) = pool.buffer.write(offset, &bytes) {
+                            let e = plan_err(&hop.tensors[index].name, &e);
+                            m.verified(Instant::now(), index, Err(e));
+                        }
+                    }
                     ConsumerAction::Verify {
                         index,
                         tensor,
@@ -1621,6 +1634,7 @@ impl StageWorker {
         for (index, s) in staged.iter().enumerate() {
             m.staged(index, s.digest);
         }
+        m = m.with_inline_below(self.cfg.inline_below);
         if let Some(
             f @ (HarnessFault::TruncatedSidecar
             | HarnessFault::UnknownVersionSidecar
@@ -1640,6 +1654,32 @@ impl StageWorker {
                     }
                     ProducerAction::Send(msg) => link.send(msg)?,
                     ProducerAction::Write { index, grant, .. } => writes.push((index, grant)),
+                    ProducerAction::Inline => {
+                        // The packet carries the tensors, in its layout.
+                        let t = Instant::now();
+                        sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                        let (at, span) = packet_layout(hop.tensors.iter().map(|t| &t.byte_length));
+                        let mut bytes = vec![0u8; span as usize];
+                        let read = staged.iter().zip(&at).try_for_each(|(s, &a)| {
+                            let a = a as usize;
+                            pool.buffer
+                                .read(s.lease.offset, &mut bytes[a..a + s.len as usize])
+                        });
+                        match read {
+                            Ok(()) => {
+                                sent.tensors = staged.len();
+                                sent.bytes = staged.iter().map(|s| s.len).sum();
+                                m.inlined(Instant::now(), bytes);
+                            }
+                            Err(e) => m.inline_failed(HarnessError::handoff(
+                                hop.payload_kind,
+                                rid,
+                                None,
+                                &e,
+                            )),
+                        }
+                        sent.transfer_ms = ms(t.elapsed());
+                    }
                     ProducerAction::Done => return Ok(sent),
                     ProducerAction::Failed(e) => return Err(e),
                 }

@@ -115,6 +115,7 @@ async fn play_decode(r: &Rig, rid: &str, corrupt: Option<&str>) {
             request: rid.into(),
             packet,
             writing_us: 0,
+            inline: vec![],
         })
         .unwrap();
 }

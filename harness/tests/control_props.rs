@@ -149,6 +149,7 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
             request: r(),
             packet: vec![0x89, 0xae, b'p', b'a', b'c', b'k', 0, 1, 0xff],
             writing_us: 17,
+            inline: vec![7; 96],
         },
         Msg::Error {
             request: r(),

@@ -219,3 +219,22 @@ async fn default_scenario_runs_clean_loopback() {
     let text = r.summary_text();
     assert!(text.contains("5/5 requests ok, pools clean"), "{text}");
 }
+
+/// Packets up to 64 KiB travel inline with their sidecar (Talker -> Code2Wav's codes), the
+/// rest through the engine; every byte still lands and verifies.
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_packets_inline_arrive_bit_exact(#[values("loopback", "tcp")] transport: &str) {
+    let mut s = Scenario::golden("image_audio", transport.parse().unwrap());
+    s.inline_below = 64 << 10;
+    let r = Runner::new(s).run().await.unwrap();
+    assert_clean_pass(&r);
+    let q = &r.requests[0];
+    let hop = |k: PayloadKind| q.hops.iter().find(|h| h.hop == k.as_str()).unwrap();
+    let codes = hop(PayloadKind::TalkerToCode2wav);
+    assert!(codes.bytes <= 64 << 10, "{} bytes", codes.bytes);
+    assert_eq!(codes.requests, 0, "inline: no engine request");
+    assert_eq!(codes.moved_bytes, codes.bytes);
+    let t2t = hop(PayloadKind::ThinkerToTalker);
+    assert!(t2t.bytes > 64 << 10 && t2t.requests > 0, "{t2t:?}");
+}

@@ -315,6 +315,7 @@ impl Producer {
                 request: rid.into(),
                 packet: body,
                 writing_us: 0,
+                inline: vec![],
             })?;
         } else {
             // With credits the destination was granted ahead; else ask for it now.
@@ -372,6 +373,7 @@ impl Producer {
                     request: rid.into(),
                     packet: sidecar,
                     writing_us: 0,
+                    inline: vec![],
                 }
             } else {
                 Msg::Finish {
