@@ -232,6 +232,9 @@ pub enum ConsumerState {
     Reserving,
     /// Reservation sent; waiting for the packet (the deadline runs).
     Granted,
+    /// Packet arrived; waiting for the driver to revoke the grants (the fence) before
+    /// the sidecar is read.
+    Fencing,
     /// Packet accepted; waiting for the driver's digests.
     Verifying,
     Done,
@@ -286,6 +289,8 @@ pub struct PacketConsumer {
     /// Messages that arrived after the handoff ended, ignored.
     stale: usize,
     credit: Credit,
+    /// The packet (sidecar, inline bytes) waiting for the fence.
+    fencing: Option<(Vec<u8>, Vec<u8>)>,
     times: HandoffTimes,
     actions: VecDeque<ConsumerAction>,
 }
@@ -305,6 +310,7 @@ impl PacketConsumer {
             verified: vec![],
             stale: 0,
             credit: Credit::default(),
+            fencing: None,
             times: HandoffTimes::default(),
             actions: VecDeque::new(),
         }
@@ -327,10 +333,14 @@ impl PacketConsumer {
     pub fn times(&self) -> HandoffTimes {
         self.times
     }
-    /// The driver revoked the grants the packet's arrival asked it to (the fence).
+    /// The driver revoked the grants the packet's arrival asked it to (the fence): the
+    /// packet's sidecar is read now, and its tensors verified.
     pub fn fenced(&mut self, now: Instant) {
         if self.times.replied.is_some() && self.times.fenced.is_none() {
             self.times.fenced = Some(now);
+        }
+        if self.state == ConsumerState::Fencing {
+            self.after_fence(now);
         }
     }
     /// Messages ignored because they came after the handoff had ended.
@@ -422,41 +432,12 @@ impl PacketConsumer {
                 self.credit.replied(now, writing_us, &mut self.times);
                 self.deadline = None;
                 // The fence: the producer says every write completed (or, inline, that it
-                // wrote none); nothing lands through the grants after this.
+                // wrote none); nothing lands through the grants after this. The sidecar is
+                // read once the driver has revoked them.
                 self.actions
                     .push_back(ConsumerAction::Revoke(std::mem::take(&mut self.grants)));
-                match self
-                    .check_packet(&packet)
-                    .and_then(|e| self.check_inline(&inline).map(|()| e))
-                {
-                    Ok(expected) => {
-                        self.expected = expected;
-                        self.verified = vec![false; self.tensors.len()];
-                        self.state = ConsumerState::Verifying;
-                        if !inline.is_empty() {
-                            let (at, _) =
-                                packet_layout(self.tensors.iter().map(|t| &t.byte_length));
-                            for (index, (t, a)) in self.tensors.iter().zip(at).enumerate() {
-                                let a = a as usize;
-                                self.actions.push_back(ConsumerAction::Land {
-                                    index,
-                                    offset: self.offsets[index],
-                                    bytes: inline[a..a + t.byte_length as usize].to_vec(),
-                                });
-                            }
-                        }
-                        for (index, t) in self.tensors.iter().enumerate() {
-                            self.actions.push_back(ConsumerAction::Verify {
-                                index,
-                                tensor: t.name.clone(),
-                                offset: self.offsets[index],
-                                len: t.byte_length,
-                            });
-                        }
-                        self.finish_if_verified(now);
-                    }
-                    Err(e) => self.fail(e),
-                }
+                self.state = ConsumerState::Fencing;
+                self.fencing = Some((packet, inline));
             }
             (ConsumerState::Granted, other) => {
                 self.times.replied = Some(now);
@@ -590,6 +571,45 @@ impl PacketConsumer {
             self.times.verified = Some(now);
             self.state = ConsumerState::Done;
             self.actions.push_back(ConsumerAction::Done);
+        }
+    }
+
+    /// The grants are revoked: read the sidecar (and any inline payload), then land and
+    /// verify every tensor.
+    fn after_fence(&mut self, now: Instant) {
+        let Some((packet, inline)) = self.fencing.take() else {
+            return;
+        };
+        match self
+            .check_packet(&packet)
+            .and_then(|e| self.check_inline(&inline).map(|()| e))
+        {
+            Ok(expected) => {
+                self.expected = expected;
+                self.verified = vec![false; self.tensors.len()];
+                self.state = ConsumerState::Verifying;
+                if !inline.is_empty() {
+                    let (at, _) = packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+                    for (index, (t, a)) in self.tensors.iter().zip(at).enumerate() {
+                        let a = a as usize;
+                        self.actions.push_back(ConsumerAction::Land {
+                            index,
+                            offset: self.offsets[index],
+                            bytes: inline[a..a + t.byte_length as usize].to_vec(),
+                        });
+                    }
+                }
+                for (index, t) in self.tensors.iter().enumerate() {
+                    self.actions.push_back(ConsumerAction::Verify {
+                        index,
+                        tensor: t.name.clone(),
+                        offset: self.offsets[index],
+                        len: t.byte_length,
+                    });
+                }
+                self.finish_if_verified(now);
+            }
+            Err(e) => self.fail(e),
         }
     }
 
@@ -1145,7 +1165,10 @@ mod tests {
                         self.consumer.granted(self.now, made.clone(), made, offsets);
                     }
                     ConsumerAction::Send(m) => self.to_producer.push(m),
-                    ConsumerAction::Revoke(g) => self.revoked.extend(g),
+                    ConsumerAction::Revoke(g) => {
+                        self.revoked.extend(g);
+                        self.consumer.fenced(self.now);
+                    }
                     ConsumerAction::Land {
                         index,
                         offset,
@@ -1778,5 +1801,30 @@ mod tests {
             p.to_consumer.as_slice(),
             [Msg::Packet { inline, .. }] if inline.is_empty()
         ));
+    }
+
+    #[test]
+    fn the_sidecar_is_read_only_once_the_grants_are_revoked() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        p.complete_writes();
+        let packet = p.to_consumer.pop().expect("the packet");
+        p.consumer.handle_msg(p.now, packet);
+        assert!(matches!(
+            p.consumer.poll_action(),
+            Some(ConsumerAction::Revoke(g)) if g.len() == 2
+        ));
+        assert_eq!(p.consumer.state(), ConsumerState::Fencing);
+        assert!(
+            p.consumer.poll_action().is_none(),
+            "verification asked for before the fence"
+        );
+        p.now += Duration::from_micros(10);
+        p.consumer.fenced(p.now);
+        p.pump();
+        assert_eq!(p.verify.len(), 2);
+        p.verify_all();
+        let t = p.consumer.times();
+        assert_eq!(t.phases(p.now).fence, 0.01);
     }
 }
