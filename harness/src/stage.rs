@@ -453,6 +453,18 @@ struct Wait {
     offer_timeout: Duration,
 }
 
+impl Wait {
+    /// How long a reservation may wait for room (pool space, KV blocks, an encoder-cache
+    /// entry another request is receiving): a hop timeout once the outputs exist; a credit,
+    /// made while upstream computes, as long as it would wait for the offer.
+    fn reserve_timeout(&self, hop_timeout: Duration) -> Duration {
+        match self.offered {
+            Some(_) => hop_timeout,
+            None => self.offer_timeout.max(hop_timeout),
+        }
+    }
+}
+
 /// One stage: stub, hop ends, pools.
 #[derive(Debug)]
 pub struct StageWorker {
@@ -817,6 +829,7 @@ impl StageWorker {
             _leases: vec![],
         };
         let fault = self.fault(hop, rid);
+        let within = wait.reserve_timeout(self.timeout());
         let mut m = PacketConsumer::new(hop.payload_kind, rid, hop.tensors.clone(), self.timeout());
         match wait.offered {
             Some(at) => m.handle_msg(
@@ -832,7 +845,7 @@ impl StageWorker {
                 match action {
                     ConsumerAction::Reserve => {
                         match self
-                            .reserve_packet(pool, engine, hop, rid, fault, &mut held)
+                            .reserve_packet(pool, engine, hop, rid, fault, within, &mut held)
                             .await
                         {
                             Ok((told, offsets)) => {
@@ -954,7 +967,7 @@ impl StageWorker {
                             Some(HarnessFault::PoolExhausted) => kv.geo.capacity as usize + 1,
                             _ => n - held.blocks.len(),
                         };
-                        match kv.alloc(want, self.timeout()).await {
+                        match kv.alloc(want, wait.reserve_timeout(self.timeout())).await {
                             Ok(tail) => {
                                 held.blocks.extend_from_slice(&tail);
                                 m.blocks(first_block, tail, vec![]);
@@ -1053,6 +1066,7 @@ impl StageWorker {
 
     /// Reserves and grants a destination per tensor of a stage-packet hop (held in
     /// `held`); returns the grants to tell the producer and where each tensor lands.
+    #[allow(clippy::too_many_arguments)]
     async fn reserve_packet(
         &self,
         pool: &Arc<Pool>,
@@ -1060,6 +1074,7 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
         fault: Option<HarnessFault>,
+        within: Duration,
         held: &mut LeasesHeld,
     ) -> Result<(Vec<Grant>, Vec<u64>)> {
         let mut told = Vec::with_capacity(hop.tensors.len());
@@ -1072,10 +1087,7 @@ impl StageWorker {
                 Some(HarnessFault::PoolExhausted) => pool.capacity() + 1,
                 _ => t.byte_length,
             };
-            let lease = pool
-                .reserve(want, self.timeout())
-                .await
-                .map_err(|e| err(&e))?;
+            let lease = pool.reserve(want, within).await.map_err(|e| err(&e))?;
             let short = fault == Some(HarnessFault::GrantOutOfBounds) && t.byte_length > 1;
             let g = engine
                 .grant(
@@ -1127,6 +1139,7 @@ impl StageWorker {
             reserved: vec![],
             grants: vec![],
         };
+        let within = wait.reserve_timeout(self.timeout());
         let mut m = EcConsumer::new(hop.payload_kind, rid, self.timeout());
         match wait.offered {
             Some(at) => m.handle_msg(
@@ -1142,7 +1155,7 @@ impl StageWorker {
                 match action {
                     EcConsumerAction::Reserve => {
                         match self
-                            .reserve_ec(store, engine, plan, hop, rid, &mut held)
+                            .reserve_ec(store, engine, plan, hop, rid, within, &mut held)
                             .await
                         {
                             Ok(entries) => m.granted(Instant::now(), held.grants.clone(), entries),
@@ -1217,9 +1230,10 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
+        within: Duration,
         held: &mut EcHeld,
     ) -> Result<Vec<EcEntry>> {
-        let deadline = tokio::time::Instant::now() + self.timeout();
+        let deadline = tokio::time::Instant::now() + within;
         let mut slots: Vec<EcEntry> = Vec::new();
         let mut seen = HashSet::new();
         for item in &plan.mm_items {
@@ -1275,7 +1289,7 @@ impl StageWorker {
                                 hop.payload_kind,
                                 rid,
                                 Some(&spec.name),
-                                &format!("encoder cache: {got:?} for {:?}", self.timeout()),
+                                &format!("encoder cache: {got:?} for {within:?}"),
                             ));
                         }
                     }

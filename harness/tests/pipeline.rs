@@ -238,3 +238,34 @@ async fn small_packets_inline_arrive_bit_exact(#[values("loopback", "tcp")] tran
     let t2t = hop(PayloadKind::ThinkerToTalker);
     assert!(t2t.bytes > 64 << 10 && t2t.requests > 0, "{t2t:?}");
 }
+
+/// Credits are granted while upstream computes: a consumer's reservation may wait on
+/// upstream (here the second request's encoder-cache entry, which the first is receiving)
+/// for longer than a hop timeout, as its wait for the offer may; the hop timeout still
+/// bounds each handoff from its offer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credits_wait_out_upstream_compute_longer_than_a_hop_timeout_loopback() {
+    let yaml = r#"
+transport: loopback
+concurrency: 2
+hop_timeout_s: 0.3
+request_timeout_s: 20
+compute: { encoder: { per_item_us: 400000 } }
+requests: [{ case: image_audio, repeat: 2 }]
+"#;
+    let r = Runner::new(Scenario::from_yaml(yaml, "t").unwrap())
+        .run()
+        .await
+        .unwrap();
+    assert_clean_pass(&r);
+    // The second request's prefill took the first one's embeddings from its cache.
+    let ec = |i: usize| {
+        r.requests[i]
+            .hops
+            .iter()
+            .find(|h| h.hop == PayloadKind::EncoderEmbeddings.as_str())
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(ec(0).reused_bytes + ec(1).reused_bytes, ec(0).bytes);
+}
