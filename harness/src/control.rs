@@ -553,7 +553,11 @@ impl Link {
                 .inbox
                 .closed()
                 .unwrap_or_else(|| "link closed".into()))),
-            Err(_) => Err(err(format!("no message for {key:?} within {timeout:?}"))),
+            Err(_) => Err(HarnessError::ControlTimeout {
+                channel: self.name.to_string(),
+                key: key.to_string(),
+                timeout,
+            }),
         }
     }
 
@@ -659,6 +663,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_wait_that_runs_out_is_a_timeout_naming_the_key() {
+        use crate::error::{Cause, FailureKind};
+        let (_a, b) = Link::pair("t");
+        // A deadline already spent (0 ns) and a short one: both are timeouts, not `other`.
+        for wait in [Duration::ZERO, Duration::from_millis(20)] {
+            let e = b.recv("r9", wait).await.unwrap_err();
+            assert_eq!(e.failure_kind(), FailureKind::TimedOut, "{e}");
+            match &e {
+                HarnessError::ControlTimeout { key, timeout, .. } => {
+                    assert_eq!(key, "r9");
+                    assert_eq!(*timeout, wait);
+                }
+                other => panic!("expected a control timeout, got {other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
     async fn routes_by_request_over_tcp() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
@@ -684,7 +706,10 @@ mod tests {
         let mut raw = c.unwrap();
         let victim = Link::tcp("victim", s.unwrap().0);
         raw.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
-        let err = victim.recv("r3", t).await.unwrap_err().to_string();
+        let err = victim.recv("r3", t).await.unwrap_err();
+        // A closed link is a channel failure, not a timeout.
+        assert!(matches!(err, HarnessError::Control { .. }), "{err:?}");
+        let err = err.to_string();
         assert!(err.contains("exceeds"), "{err}");
     }
 }
