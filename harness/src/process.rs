@@ -731,11 +731,11 @@ pub async fn run_stage_process(
         }
         None => None,
     };
-    let worker = Arc::new(StageWorker::new(
-        scenario.stage_config(stage, sizes),
-        inbound,
-        outbound,
-    )?);
+    let mut worker = StageWorker::new(scenario.stage_config(stage, sizes), inbound, outbound)?;
+    if scenario.pregenerate {
+        worker.pregenerate(&scenario.distinct_specs()?)?;
+    }
+    let worker = Arc::new(worker);
     orch.send(Msg::Ready {
         stage: stage.as_str().into(),
     })?;

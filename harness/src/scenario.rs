@@ -135,6 +135,11 @@ pub struct Scenario {
     /// `--processes` runs only: SIGKILL one stage's process this long after the run starts.
     #[serde(default)]
     pub kill_stage: Option<KillStage>,
+    /// Benchmarks: every stage makes its outputs and its inputs' digests for the scenario's
+    /// requests before the run starts (see [`crate::stage::StageWorker::pregenerate`]), so
+    /// the run times the data plane, not tensor generation. Every byte is still verified.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pregenerate: bool,
 }
 
 /// A stage process to kill mid-run.
@@ -316,6 +321,7 @@ impl Scenario {
             faults: vec![],
             random_faults: None,
             kill_stage: None,
+            pregenerate: false,
         }
     }
 
@@ -608,6 +614,17 @@ impl Scenario {
                     .unwrap_or_default(),
             ),
         }
+    }
+
+    /// The distinct request specs of the run, in order of first appearance.
+    pub fn distinct_specs(&self) -> Result<Vec<RequestSpec>> {
+        let mut out: Vec<RequestSpec> = Vec::new();
+        for r in self.expand()? {
+            if !out.contains(&r.spec) {
+                out.push(r.spec);
+            }
+        }
+        Ok(out)
     }
 
     /// Start offsets of each request from the run's start (`None`: closed loop).

@@ -15,7 +15,7 @@ use omnirig_fixtures::{
     Digest128, Hop, KvLayout, ModelCard, Packet, PayloadKind, RequestPlan, RequestSpec,
     ShapeOptions, Stage, plan_request,
 };
-use omnirig_model_stubs::{ComputeTime, Stub};
+use omnirig_model_stubs::{ComputeTime, Stub, StubError};
 use omnirig_transports::{Access, Buffer, Engine, Grant, Request, Usage};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -27,6 +27,7 @@ use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
 use crate::inline::packet_layout;
 use crate::kv::{BlockPool, KvGeometry, block_hash, contiguous_runs};
 use crate::pool::{Lease, Pool};
+use crate::pregen::Pregenerated;
 use crate::protocol::ec::{
     EcConsumer, EcConsumerAction, EcEntry, EcProducer, EcProducerAction, EcProducerState,
 };
@@ -440,7 +441,11 @@ struct Side<M> {
 /// An output produced in staging memory, waiting for its write.
 #[derive(Debug)]
 struct Staged {
-    lease: Lease,
+    /// The staging space it was produced in; None for a pre-generated output.
+    _lease: Option<Lease>,
+    /// Where its bytes lie: the staging pool's buffer, or the pre-generated table's.
+    buffer: Buffer,
+    offset: u64,
     len: u64,
     digest: Digest128,
 }
@@ -472,6 +477,8 @@ pub struct StageWorker {
     stub: Stub,
     inbound: Option<Side<InMem>>,
     outbound: Option<Side<OutMem>>,
+    /// Outputs and input digests made ahead (benchmarks; see [`StageWorker::pregenerate`]).
+    pregen: Option<Pregenerated>,
 }
 
 fn kv_geometry(card: &ModelCard, options: &ShapeOptions, capacity: u32) -> KvGeometry {
@@ -583,7 +590,26 @@ impl StageWorker {
             cfg,
             inbound,
             outbound,
+            pregen: None,
         })
+    }
+
+    /// Makes this stage's outputs for `specs` now, into a registered buffer of its outbound
+    /// engine, and the digests its inputs must have: requests of these specs then write
+    /// their outputs from there (KV: copy them into the blocks) and check what arrives
+    /// against the remembered digests, so a benchmark times the data plane rather than
+    /// tensor generation. Every byte that arrives is still digested. Other requests are
+    /// generated and checked as ever. Returns the bytes of outputs held.
+    pub fn pregenerate(&mut self, specs: &[RequestSpec]) -> Result<u64> {
+        let plans = specs
+            .iter()
+            .map(|s| plan_request(&self.cfg.card, s, &self.cfg.options))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let engine = self.outbound.as_ref().map(|s| &*s.end.engine);
+        let t = cpu(|| Pregenerated::build(&self.stub, engine, &plans))?;
+        let bytes = t.bytes();
+        self.pregen = Some(t);
+        Ok(bytes)
     }
 
     pub fn stage(&self) -> Stage {
@@ -696,6 +722,69 @@ impl StageWorker {
         }
         drop(held);
         Ok(())
+    }
+
+    /// Checks an inbound tensor that arrived whole (see [`Stub::check_input`]); against the
+    /// remembered digest when the input was pre-generated.
+    fn check_input(
+        &self,
+        plan: &RequestPlan,
+        tensor: &str,
+        bytes: &[u8],
+    ) -> std::result::Result<Digest128, StubError> {
+        let remembered = self.pregen.as_ref().and_then(|t| {
+            let hop = self.stub.inbound(plan)?;
+            let spec = hop.tensor(tensor)?;
+            let d = t.input_digest(plan.content_seed(hop.payload_kind), spec)?;
+            Some((spec.byte_length, d))
+        });
+        let Some((expected_len, expected)) = remembered else {
+            return self.stub.check_input(plan, tensor, bytes);
+        };
+        let stage = self.cfg.stage;
+        if bytes.len() as u64 != expected_len {
+            return Err(StubError::Length {
+                stage,
+                tensor: tensor.into(),
+                expected: expected_len,
+                found: bytes.len() as u64,
+            });
+        }
+        let found = Digest128::of_bytes(bytes);
+        if found != expected {
+            return Err(StubError::Digest {
+                stage,
+                tensor: tensor.into(),
+                expected: expected.to_hex(),
+                found: found.to_hex(),
+            });
+        }
+        Ok(found)
+    }
+
+    /// Checks one KV tensor's block digests (see [`Stub::check_kv_blocks`]); against the
+    /// remembered digests when the input was pre-generated.
+    fn check_kv_blocks(
+        &self,
+        plan: &RequestPlan,
+        tensor: &str,
+        received: &[Digest128],
+    ) -> std::result::Result<(), StubError> {
+        let remembered = self.pregen.as_ref().and_then(|t| {
+            let spec = self.stub.inbound(plan)?.tensor(tensor)?;
+            t.kv_digests(plan.seed, spec)
+        });
+        match remembered {
+            Some(expected) => {
+                omnirig_fixtures::check_blocks(tensor, expected, received).map_err(|source| {
+                    StubError::Fixture {
+                        stage: self.cfg.stage,
+                        source,
+                    }
+                })
+            }
+            None => self.stub.check_kv_blocks(plan, tensor, received),
+        }
     }
 
     /// The connector fault scripted for this hop and request, if any.
@@ -879,7 +968,7 @@ impl StageWorker {
                     } => {
                         let found = cpu(|| {
                             pool.buffer
-                                .view(offset, len, |b| self.stub.check_input(plan, &tensor, b))
+                                .view(offset, len, |b| self.check_input(plan, &tensor, b))
                         });
                         let found = match found {
                             Ok(Ok(d)) => Ok(d),
@@ -1028,8 +1117,7 @@ impl StageWorker {
                                         })
                                         .collect::<std::result::Result<Vec<_>, _>>()
                                         .map_err(|e| hop_err(Some(&name), &e))?;
-                                    self.stub
-                                        .check_kv_blocks(plan, &name, &digests)
+                                    self.check_kv_blocks(plan, &name, &digests)
                                         .map_err(|e| hop_err(Some(&name), &e))?;
                                 }
                             }
@@ -1177,7 +1265,7 @@ impl StageWorker {
                         let found = cpu(|| {
                             store
                                 .buffer
-                                .view(offset, len, |b| self.stub.check_input(plan, &tensor, b))
+                                .view(offset, len, |b| self.check_input(plan, &tensor, b))
                         });
                         let found = match found {
                             Ok(Ok(d)) => Ok(d),
@@ -1417,7 +1505,7 @@ impl StageWorker {
                     };
                     m.staged(index, s.digest);
                     requests.push(
-                        Request::write(&pool.buffer, s.lease.offset, &grant, 0, s.len)
+                        Request::write(&s.buffer, s.offset, &grant, 0, s.len)
                             .tagged(fault_tag(rid, &name)),
                     );
                     indices.push(index);
@@ -1510,13 +1598,26 @@ impl StageWorker {
                     let spec = hop
                         .tensor(&name)
                         .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
+                    let made = self.pregen.as_ref().and_then(|t| {
+                        let o = t.output(plan.content_seed(hop.payload_kind), spec)?;
+                        Some((t.buffer()?, o.offset))
+                    });
                     for (i, &b) in held.blocks.iter().enumerate() {
-                        kv.buffer
-                            .fill(kv.geo.offset(layer, v, b), bb, |out| {
-                                self.stub.produce(plan, spec, i as u64 * bb, out)
-                            })
-                            .map_err(|e| hop_err(Some(&name), &e))?
-                            .map_err(|e| hop_err(Some(&name), &e))?;
+                        let at = kv.geo.offset(layer, v, b);
+                        match made {
+                            // Copied from the pre-generated tensor, block by block.
+                            Some((src, offset)) => src
+                                .view(offset + i as u64 * bb, bb, |from| kv.buffer.write(at, from))
+                                .and_then(|r| r)
+                                .map_err(|e| hop_err(Some(&name), &e))?,
+                            None => kv
+                                .buffer
+                                .fill(at, bb, |out| {
+                                    self.stub.produce(plan, spec, i as u64 * bb, out)
+                                })
+                                .map_err(|e| hop_err(Some(&name), &e))?
+                                .map_err(|e| hop_err(Some(&name), &e))?,
+                        }
                     }
                 }
             }
@@ -1676,8 +1777,7 @@ impl StageWorker {
                         let mut bytes = vec![0u8; span as usize];
                         let read = staged.iter().zip(&at).try_for_each(|(s, &a)| {
                             let a = a as usize;
-                            pool.buffer
-                                .read(s.lease.offset, &mut bytes[a..a + s.len as usize])
+                            s.buffer.read(s.offset, &mut bytes[a..a + s.len as usize])
                         });
                         match read {
                             Ok(()) => {
@@ -1705,7 +1805,7 @@ impl StageWorker {
                 for (index, grant) in writes.drain(..) {
                     let (name, s) = (&hop.tensors[index].name, &staged[index]);
                     requests.push(
-                        Request::write(&pool.buffer, s.lease.offset, &grant, 0, s.len)
+                        Request::write(&s.buffer, s.offset, &grant, 0, s.len)
                             .tagged(fault_tag(rid, name)),
                     );
                     indices.push(index);
@@ -1799,6 +1899,18 @@ impl StageWorker {
             .tensor(name)
             .ok_or_else(|| fail(&"not a tensor of this hop"))?;
         let len = spec.byte_length;
+        if let Some(t) = &self.pregen {
+            let seed = plan.content_seed(hop.payload_kind);
+            if let (Some(o), Some(buffer)) = (t.output(seed, spec), t.buffer()) {
+                return Ok(Staged {
+                    _lease: None,
+                    buffer: buffer.clone(),
+                    offset: o.offset,
+                    len,
+                    digest: o.digest,
+                });
+            }
+        }
         let lease = pool
             .reserve(len, self.timeout())
             .await
@@ -1811,7 +1923,13 @@ impl StageWorker {
         })
         .map_err(|e| fail(&e))?
         .map_err(|e| fail(&e))?;
-        Ok(Staged { lease, len, digest })
+        Ok(Staged {
+            offset: lease.offset,
+            _lease: Some(lease),
+            buffer: pool.buffer.clone(),
+            len,
+            digest,
+        })
     }
 
     // ---------------------------------------------------------------- teardown

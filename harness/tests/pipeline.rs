@@ -220,6 +220,19 @@ async fn default_scenario_runs_clean_loopback() {
     assert!(text.contains("5/5 requests ok, pools clean"), "{text}");
 }
 
+/// Stages fed pre-generated payloads (what benchmarks run) move and verify the same bytes:
+/// the default scenario (with a repeat whose outputs differ downstream of the caches) passes
+/// clean, every hop verified, pools back to zero.
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pregenerated_payloads_arrive_bit_exact(#[values("loopback", "tcp")] transport: &str) {
+    let mut s = Scenario::default_scenario().with_transport(transport.parse().unwrap());
+    s.pregenerate = true;
+    let r = Runner::new(s).run().await.unwrap();
+    assert_clean_pass(&r);
+    assert_eq!(r.summary.requests, 5);
+}
+
 /// Packets up to 64 KiB travel inline with their sidecar (Talker -> Code2Wav's codes), the
 /// rest through the engine; every byte still lands and verifies.
 #[rstest]
