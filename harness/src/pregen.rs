@@ -143,3 +143,60 @@ impl Pregenerated {
         self.buffer.as_ref().map_or(0, Buffer::len)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use omnirig_fixtures::{ModelCard, ShapeOptions, Stage, golden_case, plan_request};
+    use omnirig_model_stubs::ComputeTime;
+    use omnirig_transports::{EngineConfig, TransportKind};
+
+    /// The table holds exactly what the stubs would generate and expect: every output's bytes
+    /// digest to the generator's, every input digest is the one the downstream stub expects,
+    /// and a spec that differs in shape is not mistaken for a held one.
+    #[tokio::test]
+    async fn outputs_and_input_digests_match_the_stubs() {
+        let card = ModelCard::qwen3_omni();
+        let plan = plan_request(
+            &card,
+            &golden_case("image_audio").unwrap().request,
+            &ShapeOptions::default(),
+        )
+        .unwrap();
+        let engine = Engine::new(EngineConfig::for_kind("pregen", TransportKind::Loopback))
+            .await
+            .unwrap();
+        for stage in Stage::ALL {
+            let stub = Stub::new(stage, ComputeTime::default());
+            let t = Pregenerated::build(&stub, Some(&engine), std::slice::from_ref(&plan)).unwrap();
+            if let Some(hop) = stub.outbound(&plan) {
+                let seed = plan.content_seed(hop.payload_kind);
+                for spec in &hop.tensors {
+                    let o = t.output(seed, spec).expect("output held");
+                    let found = t
+                        .buffer()
+                        .unwrap()
+                        .view(o.offset, spec.byte_length, Digest128::of_bytes)
+                        .unwrap();
+                    let want = digest_generated(&stub.generator(&plan, spec));
+                    assert_eq!((found, o.digest), (want, want), "{stage} {}", spec.name);
+                    let mut other = spec.clone();
+                    other.byte_length += 1;
+                    assert!(t.output(seed, &other).is_none());
+                }
+            }
+            if let Some(hop) = stub.inbound(&plan) {
+                for spec in &hop.tensors {
+                    if hop.payload_kind == PayloadKind::KvCache {
+                        let want = kv_block_digests(plan.seed, hop, &spec.name).unwrap();
+                        assert_eq!(t.kv_digests(plan.seed, spec), Some(&want[..]));
+                    } else {
+                        let seed = plan.content_seed(hop.payload_kind);
+                        let want = stub.expected_digest(&plan, &spec.name).unwrap();
+                        assert_eq!(t.input_digest(seed, spec), Some(want), "{}", spec.name);
+                    }
+                }
+            }
+        }
+    }
+}
