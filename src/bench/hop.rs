@@ -8,7 +8,9 @@
 //! input digests made before the run; every arriving byte is still digested and checked).
 //! A handoff's time is the consumer's `handoff_ms` from the run's report: from the producer's
 //! offer (its outputs ready) to the ack, through grant, write, packet, fence and verification.
-//! The baseline is timed from `pickle.dumps` to its ack. The other hops run too, but one
+//! The baseline is timed from `pickle.dumps` to its ack at the sender; `handoff_ms` ends when
+//! the consumer sends its ack, so it leaves out the ack's flight back (a bias in omnirig's
+//! favour of about one control-message latency). The other hops run too, but one
 //! request at a time nothing overlaps the hop measured. The KV prefix cache is off, so a KV
 //! hop moves its whole cache every time; stage-packet hops carry outputs that differ per
 //! request (`distinct_outputs`). The encoder cache serves every repeat of an image or audio,
