@@ -38,23 +38,30 @@ async fn every_golden_case_in_one_process_loopback() {
 
 #[test]
 fn five_stage_processes_over_tcp_on_loopback_interface() {
-    five_stage_processes("tcp");
+    five_stage_processes("tcp", false);
 }
 
 /// The same over shared memory: every stage process maps its upstream's sealed memfds.
 #[test]
 fn five_stage_processes_over_shm() {
-    five_stage_processes("shm");
+    five_stage_processes("shm", false);
 }
 
-fn five_stage_processes(transport: &str) {
-    let dir = out_dir(&format!("processes-{transport}"));
+/// Stage processes fed pre-generated payloads (what `bench hop` and `bench pipeline` run)
+/// move and verify the same bytes.
+#[test]
+fn five_stage_processes_pregenerated_over_shm() {
+    five_stage_processes("shm", true);
+}
+
+fn five_stage_processes(transport: &str, pregenerate: bool) {
+    let dir = out_dir(&format!("processes-{transport}-{pregenerate}"));
     std::fs::create_dir_all(&dir).unwrap();
     let scenario = dir.join("scenario.yaml");
     // Every golden case, plus a repeat for EC dedupe and a KV prefix hit.
     std::fs::write(
         &scenario,
-        format!("name: processes\ntransport: {transport}\nconcurrency: 2\nrequests:\n  - case: text_short\n  - case: image_audio\n    repeat: 2\n  - case: long_audio\n  - case: video_large_kv\n"),
+        format!("name: processes\ntransport: {transport}\npregenerate: {pregenerate}\nconcurrency: 2\nrequests:\n  - case: text_short\n  - case: image_audio\n    repeat: 2\n  - case: long_audio\n  - case: video_large_kv\n"),
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_omnirig"))

@@ -147,6 +147,7 @@ fn main() {
                 tensor: "embed.vision".into(),
                 digest: "00112233445566778899aabbccddeeff".into(),
             }],
+            writing_us: 4_250,
         },
         Msg::Error {
             request: r(),

@@ -118,6 +118,10 @@ pub enum Msg {
         request: String,
         #[serde(deserialize_with = "bounded")]
         digests: Vec<NamedDigest>,
+        /// The producer's offer -> this FINISH, on its clock (µs): where a consumer that
+        /// granted ahead dates the handoff's start.
+        #[serde(default)]
+        writing_us: u64,
     },
     /// Stage connector: the packet v1 sidecar (msgpack), sent only after its tensors landed.
     Packet {
@@ -125,6 +129,14 @@ pub enum Msg {
         /// msgpack bin, not an array of integers (which costs microseconds per KiB).
         #[serde(with = "serde_bytes")]
         packet: Vec<u8>,
+        /// The producer's offer -> this packet, on its clock (µs), as in `Finish`.
+        #[serde(default)]
+        writing_us: u64,
+        /// A small packet's tensors, in the packet layout
+        /// ([`crate::inline::packet_layout`]), instead of written into the grants; empty:
+        /// they were written.
+        #[serde(default, with = "serde_bytes")]
+        inline: Vec<u8>,
     },
     /// ERROR: the named tensors (or blocks) failed to move, and why.
     Error {
@@ -273,6 +285,16 @@ impl Msg {
                 return Err(HarnessError::Control {
                     channel: "decode".into(),
                     reason: format!("packet of {} bytes is too large", packet.len()),
+                });
+            }
+            Msg::Packet { inline, .. } if inline.len() > crate::inline::MAX_INLINE => {
+                return Err(HarnessError::Control {
+                    channel: "decode".into(),
+                    reason: format!(
+                        "inline payload of {} bytes exceeds {}",
+                        inline.len(),
+                        crate::inline::MAX_INLINE
+                    ),
                 });
             }
             _ => {}
@@ -531,7 +553,11 @@ impl Link {
                 .inbox
                 .closed()
                 .unwrap_or_else(|| "link closed".into()))),
-            Err(_) => Err(err(format!("no message for {key:?} within {timeout:?}"))),
+            Err(_) => Err(HarnessError::ControlTimeout {
+                channel: self.name.to_string(),
+                key: key.to_string(),
+                timeout,
+            }),
         }
     }
 
@@ -637,6 +663,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_wait_that_runs_out_is_a_timeout_naming_the_key() {
+        use crate::error::{Cause, FailureKind};
+        let (_a, b) = Link::pair("t");
+        // A deadline already spent (0 ns) and a short one: both are timeouts, not `other`.
+        for wait in [Duration::ZERO, Duration::from_millis(20)] {
+            let e = b.recv("r9", wait).await.unwrap_err();
+            assert_eq!(e.failure_kind(), FailureKind::TimedOut, "{e}");
+            match &e {
+                HarnessError::ControlTimeout { key, timeout, .. } => {
+                    assert_eq!(key, "r9");
+                    assert_eq!(*timeout, wait);
+                }
+                other => panic!("expected a control timeout, got {other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
     async fn routes_by_request_over_tcp() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
@@ -662,7 +706,10 @@ mod tests {
         let mut raw = c.unwrap();
         let victim = Link::tcp("victim", s.unwrap().0);
         raw.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
-        let err = victim.recv("r3", t).await.unwrap_err().to_string();
+        let err = victim.recv("r3", t).await.unwrap_err();
+        // A closed link is a channel failure, not a timeout.
+        assert!(matches!(err, HarnessError::Control { .. }), "{err:?}");
+        let err = err.to_string();
         assert!(err.contains("exceeds"), "{err}");
     }
 }

@@ -29,6 +29,14 @@ pub enum HarnessError {
     /// A control channel failed or delivered a malformed message.
     #[error("control channel {channel}: {reason}")]
     Control { channel: String, reason: String },
+    /// No control message for `key` arrived within `timeout` (the peer is slow, stopped or
+    /// hung; the channel itself is fine). A timeout, whatever the wait was.
+    #[error("control channel {channel}: no message for {key:?} within {timeout:?}")]
+    ControlTimeout {
+        channel: String,
+        key: String,
+        timeout: std::time::Duration,
+    },
     /// A stage's registered pool cannot hold a reservation.
     #[error("pool {pool}: {reason}")]
     Pool { pool: String, reason: String },
@@ -162,7 +170,9 @@ impl Cause for HarnessError {
             HarnessError::Stub(e) => e.failure_kind(),
             HarnessError::Fixture(e) => e.failure_kind(),
             HarnessError::Io(_) => FailureKind::Io,
-            HarnessError::Deadline { .. } => FailureKind::TimedOut,
+            HarnessError::Deadline { .. } | HarnessError::ControlTimeout { .. } => {
+                FailureKind::TimedOut
+            }
             _ => FailureKind::Other,
         }
     }

@@ -29,6 +29,7 @@ pub mod faults;
 pub mod inline;
 pub mod kv;
 pub mod pool;
+pub mod pregen;
 pub mod process;
 pub mod protocol;
 pub mod report;

@@ -520,7 +520,7 @@ impl Remote {
                 )),
                 Err(e) => {
                     // Closed: the process died. Silent past the deadline: stopped or hung.
-                    let silent = matches!(&e, HarnessError::Control { reason, .. } if reason.starts_with("no message"));
+                    let silent = matches!(&e, HarnessError::ControlTimeout { .. });
                     let why = if silent {
                         format!(
                             "did not answer request {id} within {:.1} s (request timeout + 8 hop timeouts + compute + 5 s); stopped or hung",
@@ -771,11 +771,11 @@ pub async fn run_stage_process(
         }
         None => None,
     };
-    let worker = Arc::new(StageWorker::new(
-        scenario.stage_config(stage, sizes),
-        inbound,
-        outbound,
-    )?);
+    let mut worker = StageWorker::new(scenario.stage_config(stage, sizes), inbound, outbound)?;
+    if scenario.pregenerate {
+        worker.pregenerate(&scenario.distinct_specs()?)?;
+    }
+    let worker = Arc::new(worker);
     orch.send(Msg::Ready {
         stage: stage.as_str().into(),
     })?;

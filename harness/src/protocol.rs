@@ -29,6 +29,7 @@ use omnirig_transports::Grant;
 
 use crate::control::{Msg, NamedGrant};
 use crate::error::{Cause, Classified, FailureKind, HarnessError};
+use crate::inline::packet_layout;
 
 /// The error a hop's end reports when its peer answered with `msg` instead of what the
 /// protocol expects next (an ERROR keeps the producer's kind and peer).
@@ -67,6 +68,11 @@ pub fn bad_reply(kind: PayloadKind, rid: &str, msg: Msg) -> HarnessError {
     }
 }
 
+/// Microseconds from `a` to `b` (zero if `b` is earlier).
+pub(crate) fn micros_since(a: Instant, b: Instant) -> u64 {
+    u64::try_from(b.saturating_duration_since(a).as_micros()).unwrap_or(u64::MAX)
+}
+
 /// When each step of a handoff happened, as the consumer saw it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct HandoffTimes {
@@ -88,13 +94,21 @@ impl HandoffTimes {
             _ => Duration::ZERO,
         }
     }
-    /// Offer -> reservation sent.
-    pub fn reserve(&self) -> Duration {
-        Self::span(self.offered, self.granted)
+    /// When the destination was in place for the offer's outputs: the grant, or the offer
+    /// itself when a credit was granted ahead of it.
+    fn ready(&self) -> Option<Instant> {
+        match (self.offered, self.granted) {
+            (Some(o), Some(g)) => Some(o.max(g)),
+            (o, g) => g.or(o),
+        }
     }
-    /// Reservation sent -> packet arrived (the producer staged and wrote in between).
+    /// Offer -> reservation sent (zero for a credit granted ahead).
+    pub fn reserve(&self) -> Duration {
+        Self::span(self.offered, self.ready())
+    }
+    /// Reservation in place -> packet arrived (the producer wrote in between).
     pub fn transfer(&self) -> Duration {
-        Self::span(self.granted, self.replied)
+        Self::span(self.ready(), self.replied)
     }
     /// Grants revoked (or, before that is known, packet arrived) -> every tensor verified.
     pub fn verify(&self) -> Duration {
@@ -111,12 +125,101 @@ impl HandoffTimes {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let fenced = self.fenced.or(self.replied);
         crate::stage::HandoffPhases {
-            reserve: ms(Self::span(self.offered, self.granted)),
-            transfer: ms(Self::span(self.granted, self.replied)),
+            reserve: ms(self.reserve()),
+            transfer: ms(self.transfer()),
             fence: ms(Self::span(self.replied, fenced)),
             verify: ms(Self::span(fenced, self.verified)),
             ack: ms(Self::span(self.verified, Some(end))),
         }
+    }
+}
+
+/// A consumer's credit: its reservation made ahead of the offer, so the producer finds its
+/// destination granted when its outputs exist and the reservation is off the handoff's
+/// path. The three consumers follow the same rules, kept here once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Credit {
+    /// How long a granted credit waits for its offer; `None`: no credit (the consumer
+    /// reserves on the offer).
+    wait: Option<Duration>,
+    /// When the consumer started reserving: no handoff of this request starts earlier.
+    since: Option<Instant>,
+}
+
+impl Credit {
+    pub fn ahead(now: Instant, wait: Duration) -> Self {
+        Self {
+            wait: Some(wait),
+            since: Some(now),
+        }
+    }
+    pub fn is_ahead(&self) -> bool {
+        self.wait.is_some()
+    }
+
+    /// Whether `Offer` is a credit's offer (the reservation is under way or granted): it
+    /// marks the handoff's start. A credit granted ahead starts with its destination in
+    /// place (no reserve phase, see [`HandoffTimes::reserve`]) and its reply deadline
+    /// (`timeout`) runs from the offer; returns that deadline, if the grant is in place.
+    fn offered(
+        &self,
+        now: Instant,
+        times: &mut HandoffTimes,
+        granted: bool,
+        timeout: Duration,
+    ) -> Option<Option<Instant>> {
+        if self.wait.is_none() || times.offered.is_some() {
+            return None;
+        }
+        times.offered = Some(now);
+        Some(granted.then_some(now + timeout))
+    }
+
+    /// The deadline of a reservation granted at `now`: a credit waits for its offer, else
+    /// the reply's timeout runs from the grant (or from the offer, if it came first).
+    fn deadline(&self, now: Instant, times: &HandoffTimes, timeout: Duration) -> Instant {
+        match (self.wait, times.offered) {
+            (Some(wait), None) => now + wait,
+            _ => now + timeout,
+        }
+    }
+
+    /// Why the deadline passed, and whether to tell upstream (a credit whose offer never
+    /// came: its producer may still come and must not write into it).
+    fn timed_out(&self, times: &HandoffTimes, timeout: Duration, reply: &str) -> (String, bool) {
+        match (self.wait, times.offered) {
+            (Some(wait), None) => (format!("no offer within {wait:?} of the credit"), true),
+            (Some(_), Some(_)) => (format!("no {reply} within {timeout:?} of the offer"), false),
+            (None, _) => (
+                format!("no {reply} within {timeout:?} of the reservation"),
+                false,
+            ),
+        }
+    }
+
+    /// A reply came at `now`, `writing_us` after its producer's offer on the producer's
+    /// clock: a credit's handoff starts no later than that offer, however late the offer
+    /// was seen here (a busy consumer sees it late; the reply wait would then miss part of
+    /// the producer's writing).
+    fn replied(&self, now: Instant, writing_us: u64, times: &mut HandoffTimes) {
+        let Some(seen) = times.offered.filter(|_| self.wait.is_some()) else {
+            return;
+        };
+        let Some(start) = now.checked_sub(Duration::from_micros(writing_us)) else {
+            return;
+        };
+        // An offer made before this consumer started the request dates from that start.
+        let start = self.since.map_or(start, |since| start.max(since));
+        // If the grant came after that start, the producer waited for it: reserve phase.
+        if start < seen {
+            times.offered = Some(start);
+        }
+    }
+
+    /// A reply (packet, FINISH) while a credit's offer has not come: its producer did not
+    /// follow the protocol (it offers before it writes).
+    fn reply_before_offer(&self, times: &HandoffTimes) -> bool {
+        self.wait.is_some() && times.offered.is_none()
     }
 }
 
@@ -129,6 +232,9 @@ pub enum ConsumerState {
     Reserving,
     /// Reservation sent; waiting for the packet (the deadline runs).
     Granted,
+    /// Packet arrived; waiting for the driver to revoke the grants (the fence) before
+    /// the sidecar is read.
+    Fencing,
     /// Packet accepted; waiting for the driver's digests.
     Verifying,
     Done,
@@ -146,6 +252,13 @@ pub enum ConsumerAction {
     Send(Msg),
     /// Revoke these grants now: no byte may land after this.
     Revoke(Vec<Grant>),
+    /// An inline packet: copy `bytes` (tensor `index`) to `offset` in the pool, where its
+    /// grant pointed; a failure is reported through [`PacketConsumer::verified`].
+    Land {
+        index: usize,
+        offset: u64,
+        bytes: Vec<u8>,
+    },
     /// Digest the landed bytes of tensor `index` and call [`PacketConsumer::verified`].
     Verify {
         index: usize,
@@ -175,6 +288,9 @@ pub struct PacketConsumer {
     verified: Vec<bool>,
     /// Messages that arrived after the handoff ended, ignored.
     stale: usize,
+    credit: Credit,
+    /// The packet (sidecar, inline bytes) waiting for the fence.
+    fencing: Option<(Vec<u8>, Vec<u8>)>,
     times: HandoffTimes,
     actions: VecDeque<ConsumerAction>,
 }
@@ -193,8 +309,21 @@ impl PacketConsumer {
             expected: vec![],
             verified: vec![],
             stale: 0,
+            credit: Credit::default(),
+            fencing: None,
             times: HandoffTimes::default(),
             actions: VecDeque::new(),
+        }
+    }
+
+    /// Reserves and grants ahead of the offer (a [`Credit`]); the offer then marks the
+    /// handoff's start. Without it within `offer_timeout` of the grant, the credit is
+    /// revoked, upstream told, and the handoff fails.
+    pub fn credit(&mut self, now: Instant, offer_timeout: Duration) {
+        if self.state == ConsumerState::AwaitOffer {
+            self.credit = Credit::ahead(now, offer_timeout);
+            self.state = ConsumerState::Reserving;
+            self.actions.push_back(ConsumerAction::Reserve);
         }
     }
 
@@ -204,10 +333,14 @@ impl PacketConsumer {
     pub fn times(&self) -> HandoffTimes {
         self.times
     }
-    /// The driver revoked the grants the packet's arrival asked it to (the fence).
+    /// The driver revoked the grants the packet's arrival asked it to (the fence): the
+    /// packet's sidecar is read now, and its tensors verified.
     pub fn fenced(&mut self, now: Instant) {
         if self.times.replied.is_some() && self.times.fenced.is_none() {
             self.times.fenced = Some(now);
+        }
+        if self.state == ConsumerState::Fencing {
+            self.after_fence(now);
         }
     }
     /// Messages ignored because they came after the handoff had ended.
@@ -263,29 +396,48 @@ impl PacketConsumer {
                 self.refuse(&e);
                 self.fail(e);
             }
-            (ConsumerState::Granted, Msg::Packet { packet, .. }) => {
+            // The offer of a credit's producer: the reservation (if it is still being made)
+            // is on the handoff's path from here on.
+            (ConsumerState::Reserving | ConsumerState::Granted, Msg::Offer { .. })
+                if self.credit.is_ahead() && self.times.offered.is_none() =>
+            {
+                let granted = self.state == ConsumerState::Granted;
+                if let Some(Some(d)) =
+                    self.credit
+                        .offered(now, &mut self.times, granted, self.timeout)
+                {
+                    self.deadline = Some(d);
+                }
+            }
+            (ConsumerState::Granted, Msg::Packet { .. })
+                if self.credit.reply_before_offer(&self.times) =>
+            {
                 self.times.replied = Some(now);
+                let e = self.err(
+                    None,
+                    &Classified::new(FailureKind::BadSidecar, "a packet before its offer"),
+                );
+                self.fail(e);
+            }
+            (
+                ConsumerState::Granted,
+                Msg::Packet {
+                    packet,
+                    writing_us,
+                    inline,
+                    ..
+                },
+            ) => {
+                self.times.replied = Some(now);
+                self.credit.replied(now, writing_us, &mut self.times);
                 self.deadline = None;
-                // The fence: the producer says every write completed; nothing lands after this.
+                // The fence: the producer says every write completed (or, inline, that it
+                // wrote none); nothing lands through the grants after this. The sidecar is
+                // read once the driver has revoked them.
                 self.actions
                     .push_back(ConsumerAction::Revoke(std::mem::take(&mut self.grants)));
-                match self.check_packet(&packet) {
-                    Ok(expected) => {
-                        self.expected = expected;
-                        self.verified = vec![false; self.tensors.len()];
-                        self.state = ConsumerState::Verifying;
-                        for (index, t) in self.tensors.iter().enumerate() {
-                            self.actions.push_back(ConsumerAction::Verify {
-                                index,
-                                tensor: t.name.clone(),
-                                offset: self.offsets[index],
-                                len: t.byte_length,
-                            });
-                        }
-                        self.finish_if_verified(now);
-                    }
-                    Err(e) => self.fail(e),
-                }
+                self.state = ConsumerState::Fencing;
+                self.fencing = Some((packet, inline));
             }
             (ConsumerState::Granted, other) => {
                 self.times.replied = Some(now);
@@ -294,7 +446,9 @@ impl PacketConsumer {
             }
             // Reserving: the producer waits for our reservation and sends nothing but an
             // ERROR (its upstream failed). Verifying: a second packet.
-            (_, Msg::Error { .. }) if self.state == ConsumerState::Reserving => {
+            (_, Msg::Error { .. })
+                if self.state == ConsumerState::Reserving && !self.credit.is_ahead() =>
+            {
                 self.stale += 1;
             }
             (_, other) => {
@@ -327,7 +481,7 @@ impl PacketConsumer {
         self.grants = made;
         self.offsets = offsets;
         self.times.granted = Some(now);
-        self.deadline = Some(now + self.timeout);
+        self.deadline = Some(self.credit.deadline(now, &self.times, self.timeout));
         self.state = ConsumerState::Granted;
         let grants = self
             .tensors
@@ -367,17 +521,15 @@ impl PacketConsumer {
         }
     }
 
-    /// The deadline passed without the packet.
+    /// The deadline passed without the packet (or, for a credit, without the offer).
     pub fn handle_timeout(&mut self, now: Instant) {
         match self.deadline {
             Some(d) if now >= d && !self.terminal() => {
-                let e = self.err(
-                    None,
-                    &Classified::new(
-                        FailureKind::TimedOut,
-                        format!("no packet within {:?} of the reservation", self.timeout),
-                    ),
-                );
+                let (text, tell) = self.credit.timed_out(&self.times, self.timeout, "packet");
+                let e = self.err(None, &Classified::new(FailureKind::TimedOut, text));
+                if tell {
+                    self.refuse(&e);
+                }
                 self.fail(e);
             }
             _ => {}
@@ -422,6 +574,66 @@ impl PacketConsumer {
         }
     }
 
+    /// The grants are revoked: read the sidecar (and any inline payload), then land and
+    /// verify every tensor.
+    fn after_fence(&mut self, now: Instant) {
+        let Some((packet, inline)) = self.fencing.take() else {
+            return;
+        };
+        match self
+            .check_packet(&packet)
+            .and_then(|e| self.check_inline(&inline).map(|()| e))
+        {
+            Ok(expected) => {
+                self.expected = expected;
+                self.verified = vec![false; self.tensors.len()];
+                self.state = ConsumerState::Verifying;
+                if !inline.is_empty() {
+                    let (at, _) = packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+                    for (index, (t, a)) in self.tensors.iter().zip(at).enumerate() {
+                        let a = a as usize;
+                        self.actions.push_back(ConsumerAction::Land {
+                            index,
+                            offset: self.offsets[index],
+                            bytes: inline[a..a + t.byte_length as usize].to_vec(),
+                        });
+                    }
+                }
+                for (index, t) in self.tensors.iter().enumerate() {
+                    self.actions.push_back(ConsumerAction::Verify {
+                        index,
+                        tensor: t.name.clone(),
+                        offset: self.offsets[index],
+                        len: t.byte_length,
+                    });
+                }
+                self.finish_if_verified(now);
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
+    /// An inline payload (if any) spans exactly the packet layout of this hop's tensors.
+    fn check_inline(&self, inline: &[u8]) -> std::result::Result<(), HarnessError> {
+        if inline.is_empty() {
+            return Ok(());
+        }
+        let (_, span) = packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+        if inline.len() as u64 != span {
+            return Err(self.err(
+                None,
+                &Classified::new(
+                    FailureKind::BadSidecar,
+                    format!(
+                        "inline payload of {} bytes, the packet's layout spans {span}",
+                        inline.len()
+                    ),
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Decodes and checks the sidecar: version, request, kind, one entry per tensor with the
     /// expected dtype and shape. Returns the declared digests in the hop's order.
     fn check_packet(&self, bytes: &[u8]) -> std::result::Result<Vec<Digest128>, HarnessError> {
@@ -464,6 +676,8 @@ impl PacketConsumer {
 pub enum ProducerState {
     /// Offer sent; waiting for the reservation (the deadline runs).
     Offered,
+    /// A small packet: waiting for the driver to lay its tensors out inline.
+    Inlining,
     /// Writes issued; waiting for every one to complete.
     Writing,
     /// Packet sent: the handoff is the consumer's now.
@@ -485,6 +699,9 @@ pub enum ProducerAction {
         tensor: String,
         grant: Grant,
     },
+    /// Lay every staged tensor out in the packet layout ([`packet_layout`]) and call
+    /// [`PacketProducer::inlined`]: the packet carries them, no write is made.
+    Inline,
     /// The packet is out: the handoff ended well on this side.
     Done,
     Failed(HarnessError),
@@ -499,6 +716,8 @@ pub struct PacketProducer {
     timeout: Duration,
     state: ProducerState,
     deadline: Option<Instant>,
+    /// When the offer went out: replies say how long after it they come.
+    offered_at: Instant,
     grants: Vec<Option<Grant>>,
     digests: Vec<Option<Digest128>>,
     /// Per tensor: a write issued and not yet completed.
@@ -539,6 +758,7 @@ impl PacketProducer {
             timeout,
             state: ProducerState::Offered,
             deadline: Some(now + timeout),
+            offered_at: now,
             grants: vec![None; n],
             digests: vec![None; n],
             in_flight: vec![false; n],
@@ -552,6 +772,50 @@ impl PacketProducer {
             request: rid.into(),
         }));
         p
+    }
+
+    /// Packets of at most `bytes` (in the packet layout) carry their tensors inline: one
+    /// message after the offer, no reservation waited for, no write (the consumer copies
+    /// them where it reserved). For payloads of a few KiB, where the round trips cost more
+    /// than the bytes. Zero: never.
+    pub fn with_inline_below(mut self, bytes: u64) -> Self {
+        let (_, span) = packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+        if self.state == ProducerState::Offered && span > 0 && span <= bytes {
+            self.state = ProducerState::Inlining;
+            self.deadline = None;
+            self.actions.push_back(ProducerAction::Inline);
+        }
+        self
+    }
+
+    /// The driver laid the staged tensors out (`bytes`, the packet layout): the packet
+    /// goes with them.
+    pub fn inlined(&mut self, now: Instant, bytes: Vec<u8>) {
+        if self.state != ProducerState::Inlining {
+            self.stale += 1;
+            return;
+        }
+        let (_, span) = packet_layout(self.tensors.iter().map(|t| &t.byte_length));
+        if bytes.len() as u64 != span {
+            let e = self.err(
+                None,
+                &format!(
+                    "inline payload of {} bytes for a {span}-byte layout",
+                    bytes.len()
+                ),
+            );
+            return self.fail(vec![], e, true);
+        }
+        self.announce(now, None, bytes);
+    }
+
+    /// The driver could not lay the tensors out for an inline packet.
+    pub fn inline_failed(&mut self, e: HarnessError) {
+        if self.state == ProducerState::Inlining {
+            self.fail(vec![], e, true);
+        } else {
+            self.stale += 1;
+        }
     }
 
     /// Sends `f(packet)` instead of the packet (fault injection: a malformed sidecar).
@@ -599,7 +863,7 @@ impl PacketProducer {
     }
 
     /// A message for this request arrived.
-    pub fn handle_msg(&mut self, _now: Instant, msg: Msg) {
+    pub fn handle_msg(&mut self, now: Instant, msg: Msg) {
         if self.terminal() {
             self.stale += 1;
             return;
@@ -656,7 +920,7 @@ impl PacketProducer {
                     };
                     self.withdrawn = Some(e);
                 }
-                self.settle();
+                self.settle(now);
             }
             (_, other) => {
                 let e = self.err(None, &format!("unexpected {} message", other.name()));
@@ -702,7 +966,7 @@ impl PacketProducer {
     }
 
     /// The write of tensor `index` completed.
-    pub fn write_completed(&mut self, index: usize) {
+    pub fn write_completed(&mut self, now: Instant, index: usize) {
         if self.state != ProducerState::Writing
             || !self.in_flight.get(index).copied().unwrap_or(false)
         {
@@ -711,7 +975,7 @@ impl PacketProducer {
         }
         self.in_flight[index] = false;
         self.written[index] = true;
-        self.settle();
+        self.settle(now);
     }
 
     /// A write failed (a revoked grant, a dead peer, ...): `index`, the tensor it names,
@@ -730,7 +994,7 @@ impl PacketProducer {
     }
 
     /// Announces the packet once no write is in flight and every tensor landed.
-    fn settle(&mut self) {
+    fn settle(&mut self, now: Instant) {
         if self.state != ProducerState::Writing || self.in_flight.iter().any(|&f| f) {
             return;
         }
@@ -740,23 +1004,32 @@ impl PacketProducer {
         if !self.written.iter().all(|&w| w) {
             return;
         }
+        self.announce(now, Some(()), vec![]);
+    }
+
+    /// Sends the packet: entries with their digests and, when written (`written`), where
+    /// each went; `inline`: the tensors themselves.
+    fn announce(&mut self, now: Instant, written: Option<()>, inline: Vec<u8>) {
         let mut entries = Vec::with_capacity(self.tensors.len());
         for (i, t) in self.tensors.iter().enumerate() {
             let Some(digest) = self.digests[i] else {
                 let e = self.err(Some(&t.name), &"written but never staged (no digest)");
                 return self.fail(vec![t.name.clone()], e, true);
             };
-            let g = self.grants[i].as_ref().expect("granted before writing");
+            let transfer_key = match (written, &self.grants[i]) {
+                (Some(()), Some(g)) => Some(omnirig_fixtures::packet::TransferKey::Text(format!(
+                    "{}/{}@{}",
+                    g.segment, g.buffer, g.offset
+                ))),
+                _ => None,
+            };
             entries.push(TensorEntry {
                 name: t.name.clone(),
                 dtype: t.dtype,
                 shape: t.shape.clone(),
                 byte_length: t.byte_length,
                 digest,
-                transfer_key: Some(omnirig_fixtures::packet::TransferKey::Text(format!(
-                    "{}/{}@{}",
-                    g.segment, g.buffer, g.offset
-                ))),
+                transfer_key,
             });
         }
         let packet = Packet::new(&self.rid, self.kind, 0, true, entries);
@@ -773,7 +1046,9 @@ impl PacketProducer {
         self.state = ProducerState::Announced;
         self.actions.push_back(ProducerAction::Send(Msg::Packet {
             request: self.rid.clone(),
+            writing_us: micros_since(self.offered_at, now),
             packet: bytes,
+            inline,
         }));
         self.actions.push_back(ProducerAction::Done);
     }
@@ -824,6 +1099,8 @@ mod tests {
         revoked: Vec<Grant>,
         verify: Vec<(usize, String)>,
         writes: Vec<(usize, Grant)>,
+        /// Inline tensors the consumer copied into its pool: (index, offset, bytes).
+        landed: Vec<(usize, u64, Vec<u8>)>,
         consumer_end: Option<std::result::Result<(), HarnessError>>,
         producer_end: Option<std::result::Result<(), HarnessError>>,
     }
@@ -846,6 +1123,7 @@ mod tests {
                 revoked: vec![],
                 verify: vec![],
                 writes: vec![],
+                landed: vec![],
                 consumer_end: None,
                 producer_end: None,
             }
@@ -860,6 +1138,16 @@ mod tests {
                     ProducerAction::Write { index, grant, .. } => {
                         self.producer.staged(index, digest_of(index));
                         self.writes.push((index, grant));
+                    }
+                    ProducerAction::Inline => {
+                        let (at, span) = packet_layout(tensors().iter().map(|t| &t.byte_length));
+                        let mut bytes = vec![0u8; span as usize];
+                        for (i, (t, a)) in tensors().iter().zip(at).enumerate() {
+                            self.producer.staged(i, digest_of(i));
+                            let a = a as usize;
+                            bytes[a..a + t.byte_length as usize].fill(0x10 + i as u8);
+                        }
+                        self.producer.inlined(self.now, bytes);
                     }
                     ProducerAction::Done => self.producer_end = Some(Ok(())),
                     ProducerAction::Failed(e) => self.producer_end = Some(Err(e)),
@@ -877,7 +1165,15 @@ mod tests {
                         self.consumer.granted(self.now, made.clone(), made, offsets);
                     }
                     ConsumerAction::Send(m) => self.to_producer.push(m),
-                    ConsumerAction::Revoke(g) => self.revoked.extend(g),
+                    ConsumerAction::Revoke(g) => {
+                        self.revoked.extend(g);
+                        self.consumer.fenced(self.now);
+                    }
+                    ConsumerAction::Land {
+                        index,
+                        offset,
+                        bytes,
+                    } => self.landed.push((index, offset, bytes)),
                     ConsumerAction::Verify { index, tensor, .. } => {
                         self.verify.push((index, tensor))
                     }
@@ -909,7 +1205,7 @@ mod tests {
 
         fn complete_writes(&mut self) {
             for (i, _) in std::mem::take(&mut self.writes) {
-                self.producer.write_completed(i);
+                self.producer.write_completed(self.now, i);
             }
             self.pump();
         }
@@ -1060,7 +1356,7 @@ mod tests {
         let mut p = Pair::new();
         p.run_until_writing();
         let (first, _) = p.writes.remove(0);
-        p.producer.write_completed(first);
+        p.producer.write_completed(p.now, first);
         p.pump();
         assert!(
             p.to_consumer.is_empty(),
@@ -1068,7 +1364,7 @@ mod tests {
         );
         assert_eq!(p.producer.state(), ProducerState::Writing);
         // A completion reported twice is not the other write's.
-        p.producer.write_completed(first);
+        p.producer.write_completed(p.now, first);
         p.pump();
         assert!(p.to_consumer.is_empty());
         assert_eq!(p.producer.stale(), 1);
@@ -1088,7 +1384,7 @@ mod tests {
         // The engine refuses the second write into the revoked grant; the first landed.
         let (a, _) = p.writes.remove(0);
         let (b, _) = p.writes.remove(0);
-        p.producer.write_completed(a);
+        p.producer.write_completed(p.now, a);
         let revoked = omnirig_transports::Error::new(
             omnirig_transports::ErrorKind::GrantRevoked,
             "grant revoked",
@@ -1202,5 +1498,333 @@ mod tests {
         assert!(
             matches!(p.to_consumer.as_slice(), [Msg::Error { failed, .. }] if failed == &["codes.audio".to_string()])
         );
+    }
+
+    // ---- credits: the consumer grants ahead of the offer
+
+    const WAIT: Duration = Duration::from_secs(30);
+
+    impl Pair {
+        /// The consumer grants ahead (a credit) while the producer offers: both cross.
+        fn run_with_credit_until_writing(&mut self) {
+            self.consumer.credit(self.now, WAIT);
+            self.pump(); // producer: offer; consumer: reserve + grant (the credit)
+            assert_eq!(self.consumer.state(), ConsumerState::Granted);
+            self.deliver(); // the offer and the credit cross
+            assert_eq!(self.producer.state(), ProducerState::Writing);
+            assert_eq!(self.writes.len(), 2);
+        }
+    }
+
+    #[test]
+    fn a_credit_takes_the_reservation_off_the_handoff() {
+        let mut p = Pair::new();
+        p.run_with_credit_until_writing();
+        let t = p.consumer.times();
+        assert_eq!(
+            t.reserve(),
+            Duration::ZERO,
+            "granted ahead: no reserve phase"
+        );
+        p.now += Duration::from_millis(3);
+        p.complete_writes();
+        p.deliver();
+        assert_eq!(p.revoked.len(), 2, "the fence revokes the credit's grants");
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        let t = p.consumer.times();
+        assert_eq!(t.reserve(), Duration::ZERO);
+        assert_eq!(t.transfer(), Duration::from_millis(3));
+    }
+
+    #[test]
+    fn an_offer_seen_late_dates_the_handoff_from_the_producers_offer() {
+        let mut p = Pair::new();
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        // The credit reaches the producer, which writes for 5 ms; the consumer, busy, sees
+        // the offer only with the packet.
+        let offer = std::mem::take(&mut p.to_consumer);
+        p.deliver();
+        p.now += Duration::from_millis(5);
+        p.complete_writes();
+        let packet = std::mem::take(&mut p.to_consumer);
+        p.to_consumer = offer.into_iter().chain(packet).collect();
+        p.deliver();
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        // The reply wait covers the producer's 5 ms of writing, not the 0 ms it saw.
+        assert_eq!(p.consumer.times().transfer(), Duration::from_millis(5));
+        assert_eq!(p.consumer.times().reserve(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_credit_revoked_while_a_write_is_in_flight_ends_in_error_not_packet() {
+        let mut p = Pair::new();
+        p.run_with_credit_until_writing();
+        // The hop's deadline runs from the offer: the consumer gives up with both writes in
+        // flight and revokes the credit.
+        let due = p
+            .consumer
+            .poll_timeout()
+            .expect("the offer started the deadline");
+        assert_eq!(due, p.now + TIMEOUT);
+        p.now = due;
+        p.consumer.handle_timeout(p.now);
+        p.pump();
+        assert_eq!(p.consumer_error().failure_kind(), FailureKind::TimedOut);
+        assert_eq!(p.revoked.len(), 2);
+        // One write had landed; the engine refuses the other (its grant is gone).
+        let (a, _) = p.writes.remove(0);
+        let (b, _) = p.writes.remove(0);
+        p.producer.write_completed(p.now, a);
+        let revoked = omnirig_transports::Error::new(
+            omnirig_transports::ErrorKind::GrantRevoked,
+            "grant revoked",
+        );
+        let e = HarnessError::handoff(
+            PayloadKind::TalkerToCode2wav,
+            "r1",
+            Some("embed.tts_pad"),
+            &revoked,
+        );
+        p.producer.write_failed(Some(b), e);
+        p.pump();
+        assert!(
+            !p.to_consumer
+                .iter()
+                .any(|m| matches!(m, Msg::Packet { .. })),
+            "a packet announced a write into a revoked credit"
+        );
+        assert!(
+            matches!(&p.producer_end, Some(Err(e)) if e.failure_kind() == FailureKind::GrantRefused)
+        );
+        p.deliver();
+        assert!(p.verify.is_empty());
+        assert_eq!(
+            p.consumer.stale(),
+            1,
+            "the producer's ERROR came after the end"
+        );
+    }
+
+    #[test]
+    fn a_credit_whose_offer_never_comes_is_revoked_and_upstream_told() {
+        let mut p = Pair::new();
+        p.producer.poll_action(); // the producer's offer is lost upstream of it
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        assert_eq!(p.consumer.poll_timeout(), Some(p.now + WAIT));
+        // Not yet: the hop's (shorter) timeout does not apply before the offer.
+        p.now += TIMEOUT;
+        p.consumer.handle_timeout(p.now);
+        p.pump();
+        assert!(p.consumer_end.is_none());
+        p.now += WAIT;
+        p.consumer.handle_timeout(p.now);
+        p.pump();
+        let e = p.consumer_error();
+        assert_eq!(e.failure_kind(), FailureKind::TimedOut);
+        assert!(e.to_string().contains("no offer"), "{e}");
+        assert_eq!(p.revoked.len(), 2, "the credit's grants are revoked");
+        // Upstream hears it after the credit: a producer that comes late is refused.
+        assert!(matches!(
+            p.to_producer.as_slice(),
+            [Msg::StageReserve { .. }, Msg::Refuse { .. }]
+        ));
+    }
+
+    #[test]
+    fn a_credit_whose_upstream_failed_is_revoked_with_upstreams_kind() {
+        let mut p = Pair::new();
+        p.producer.poll_action();
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        p.consumer.handle_msg(
+            p.now,
+            Msg::Error {
+                request: "r1".into(),
+                failed: vec![],
+                cause: "talker did not run".into(),
+                kind: FailureKind::Corrupt,
+                peer: None,
+            },
+        );
+        p.pump();
+        assert_eq!(p.consumer_error().failure_kind(), FailureKind::Corrupt);
+        assert_eq!(p.revoked.len(), 2);
+    }
+
+    #[test]
+    fn a_packet_before_a_credits_offer_is_refused_and_fenced() {
+        let mut p = Pair::new();
+        p.run_with_credit_until_writing();
+        // A second consumer, granted ahead, gets that packet without its offer.
+        let mut c = PacketConsumer::new(PayloadKind::TalkerToCode2wav, "r1", tensors(), TIMEOUT);
+        c.credit(p.now, WAIT);
+        assert!(matches!(c.poll_action(), Some(ConsumerAction::Reserve)));
+        let made = vec![grant(0, 512), grant(4096, 16)];
+        c.granted(p.now, made.clone(), made, vec![0, 4096]);
+        p.complete_writes();
+        let packet = p
+            .to_consumer
+            .iter()
+            .find(|m| matches!(m, Msg::Packet { .. }))
+            .cloned()
+            .expect("the real producer's packet");
+        c.handle_msg(p.now, packet);
+        let mut revoked = 0;
+        let mut failed = None;
+        while let Some(a) = c.poll_action() {
+            match a {
+                ConsumerAction::Revoke(g) => revoked += g.len(),
+                ConsumerAction::Failed(e) => failed = Some(e),
+                ConsumerAction::Verify { .. } => panic!("verified a packet without its offer"),
+                _ => {}
+            }
+        }
+        assert_eq!(revoked, 2);
+        let e = failed.expect("the handoff failed");
+        assert_eq!(e.failure_kind(), FailureKind::BadSidecar);
+        assert!(e.to_string().contains("before its offer"), "{e}");
+    }
+
+    #[test]
+    fn a_producer_that_offers_before_the_credit_is_granted_waits_in_the_reserve_phase() {
+        let mut p = Pair::new(); // the producer offers at 0 ms
+        p.consumer.credit(p.now, WAIT);
+        p.now += Duration::from_millis(2);
+        p.pump(); // the consumer grants at 2 ms
+        p.deliver(); // and sees the offer then
+        p.now += Duration::from_millis(3);
+        p.complete_writes(); // the packet leaves 5 ms after the offer
+        p.deliver();
+        p.verify_all();
+        let t = p.consumer.times();
+        assert_eq!(
+            (t.reserve(), t.transfer()),
+            (Duration::from_millis(2), Duration::from_millis(3))
+        );
+    }
+
+    // ---- inline: a small packet carries its tensors
+
+    fn inline_producer(now: Instant) -> PacketProducer {
+        PacketProducer::new(now, PayloadKind::TalkerToCode2wav, "r1", tensors(), TIMEOUT)
+            .with_inline_below(1 << 20)
+    }
+
+    #[test]
+    fn a_small_packet_travels_inline_and_lands_where_the_credit_points() {
+        let mut p = Pair::new();
+        p.producer = inline_producer(p.now);
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        // Offer and packet left back to back, without waiting for the credit.
+        assert!(matches!(
+            p.to_consumer.as_slice(),
+            [Msg::Offer { .. }, Msg::Packet { inline, .. }] if !inline.is_empty()
+        ));
+        assert_eq!(p.producer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        p.deliver();
+        assert!(p.writes.is_empty(), "an inline packet writes nothing");
+        assert_eq!(
+            p.producer.stale(),
+            1,
+            "the credit reached a producer that was done"
+        );
+        assert_eq!(p.revoked.len(), 2, "the unused credit is revoked");
+        // Each tensor lands at its grant's offset, with its own bytes.
+        let landed: Vec<_> = p
+            .landed
+            .iter()
+            .map(|(i, off, b)| (*i, *off, b.len(), b.iter().all(|&x| x == 0x10 + *i as u8)))
+            .collect();
+        assert_eq!(landed, [(0, 0, 512, true), (1, 4096, 16, true)]);
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+    }
+
+    #[test]
+    fn an_inline_packet_after_a_reservation_on_the_offer_lands_too() {
+        let mut p = Pair::new();
+        p.producer = inline_producer(p.now);
+        p.pump();
+        let mut msgs = std::mem::take(&mut p.to_consumer);
+        let packet = msgs.pop().expect("offer and packet");
+        p.to_consumer = msgs;
+        p.deliver(); // the offer: the consumer reserves and grants
+        assert_eq!(p.consumer.state(), ConsumerState::Granted);
+        p.to_consumer = vec![packet];
+        p.deliver();
+        assert_eq!(p.landed.len(), 2);
+        p.verify_all();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+    }
+
+    #[test]
+    fn an_inline_payload_that_does_not_span_the_layout_is_refused_before_landing() {
+        let mut p = Pair::new();
+        p.producer = inline_producer(p.now);
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        for m in &mut p.to_consumer {
+            if let Msg::Packet { inline, .. } = m {
+                inline.truncate(100);
+            }
+        }
+        p.deliver();
+        assert!(
+            p.landed.is_empty(),
+            "bytes landed from a short inline payload"
+        );
+        let e = p.consumer_error();
+        assert_eq!(e.failure_kind(), FailureKind::BadSidecar);
+        assert!(e.to_string().contains("inline payload of 100 bytes"), "{e}");
+        assert_eq!(p.revoked.len(), 2);
+    }
+
+    #[test]
+    fn a_packet_larger_than_the_inline_threshold_is_written() {
+        let mut p = Pair::new();
+        p.producer = PacketProducer::new(
+            p.now,
+            PayloadKind::TalkerToCode2wav,
+            "r1",
+            tensors(),
+            TIMEOUT,
+        )
+        .with_inline_below(64);
+        p.run_until_writing();
+        p.complete_writes();
+        assert!(matches!(
+            p.to_consumer.as_slice(),
+            [Msg::Packet { inline, .. }] if inline.is_empty()
+        ));
+    }
+
+    #[test]
+    fn the_sidecar_is_read_only_once_the_grants_are_revoked() {
+        let mut p = Pair::new();
+        p.run_until_writing();
+        p.complete_writes();
+        let packet = p.to_consumer.pop().expect("the packet");
+        p.consumer.handle_msg(p.now, packet);
+        assert!(matches!(
+            p.consumer.poll_action(),
+            Some(ConsumerAction::Revoke(g)) if g.len() == 2
+        ));
+        assert_eq!(p.consumer.state(), ConsumerState::Fencing);
+        assert!(
+            p.consumer.poll_action().is_none(),
+            "verification asked for before the fence"
+        );
+        p.now += Duration::from_micros(10);
+        p.consumer.fenced(p.now);
+        p.pump();
+        assert_eq!(p.verify.len(), 2);
+        p.verify_all();
+        let t = p.consumer.times();
+        assert_eq!(t.phases(p.now).fence, 0.01);
     }
 }

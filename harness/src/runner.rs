@@ -119,12 +119,21 @@ pub async fn local_stages(
             ),
         );
     }
+    let specs = if scenario.pregenerate {
+        scenario.distinct_specs()?
+    } else {
+        Vec::new()
+    };
     Stage::ALL
         .into_iter()
         .map(|stage| {
             let inbound = inbound_kind(stage).map(|k| ends[k.as_str()].1.clone());
             let outbound = outbound_kind(stage).map(|k| ends[k.as_str()].0.clone());
-            StageWorker::new(scenario.stage_config(stage, sizes), inbound, outbound)
+            let mut w = StageWorker::new(scenario.stage_config(stage, sizes), inbound, outbound)?;
+            if scenario.pregenerate {
+                w.pregenerate(&specs)?;
+            }
+            Ok(w)
         })
         .collect()
 }

@@ -119,6 +119,12 @@ pub struct Scenario {
     /// How long a stage waits for its upstream's offer (all upstream work).
     #[serde(default = "six_hundred")]
     pub request_timeout_s: f64,
+    /// Stage-packet hops whose packet (in the packet layout) is at most this many bytes
+    /// send their tensors inline with it, on the control link, instead of writing them
+    /// through the engine (see [`crate::protocol::PacketProducer::with_inline_below`]).
+    /// 0 (the default): never; transport faults need the engine path to strike.
+    #[serde(default)]
+    pub inline_below: u64,
     pub requests: Vec<RequestEntry>,
     /// Scripted faults (see [`crate::faults`]); in-process runs only.
     #[serde(default)]
@@ -129,6 +135,11 @@ pub struct Scenario {
     /// `--processes` runs only: SIGKILL one stage's process this long after the run starts.
     #[serde(default)]
     pub kill_stage: Option<KillStage>,
+    /// Benchmarks: every stage makes its outputs and its inputs' digests for the scenario's
+    /// requests before the run starts (see [`crate::stage::StageWorker::pregenerate`]), so
+    /// the run times the data plane, not tensor generation. Every byte is still verified.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pregenerate: bool,
 }
 
 /// A stage process to kill mid-run.
@@ -299,6 +310,7 @@ impl Scenario {
             distinct_outputs: true,
             hop_timeout_s: 60.0,
             request_timeout_s: 600.0,
+            inline_below: 0,
             requests: vec![RequestEntry {
                 case: Some(case.into()),
                 name: None,
@@ -309,6 +321,7 @@ impl Scenario {
             faults: vec![],
             random_faults: None,
             kill_stage: None,
+            pregenerate: false,
         }
     }
 
@@ -590,6 +603,8 @@ impl Scenario {
             hop_timeout: self.hop_timeout(),
             request_timeout: Duration::from_secs_f64(self.request_timeout_s),
             prefix_cache: self.prefix_cache,
+            credits: true,
+            inline_below: self.inline_below,
             sizes,
             // Validated with the scenario; a scenario built in code without faults has none.
             faults: Arc::new(
@@ -599,6 +614,17 @@ impl Scenario {
                     .unwrap_or_default(),
             ),
         }
+    }
+
+    /// The distinct request specs of the run, in order of first appearance.
+    pub fn distinct_specs(&self) -> Result<Vec<RequestSpec>> {
+        let mut out: Vec<RequestSpec> = Vec::new();
+        for r in self.expand()? {
+            if !out.contains(&r.spec) {
+                out.push(r.spec);
+            }
+        }
+        Ok(out)
     }
 
     /// Start offsets of each request from the run's start (`None`: closed loop).

@@ -15,7 +15,7 @@ use omnirig_fixtures::{
     Digest128, Hop, KvLayout, ModelCard, Packet, PayloadKind, RequestPlan, RequestSpec,
     ShapeOptions, Stage, plan_request,
 };
-use omnirig_model_stubs::{ComputeTime, Stub};
+use omnirig_model_stubs::{ComputeTime, Stub, StubError};
 use omnirig_transports::{Access, Buffer, Engine, Grant, Request, Usage};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -24,15 +24,16 @@ use crate::control::{Link, Msg};
 use crate::ec::{EcAcquire, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
+use crate::inline::packet_layout;
 use crate::kv::{BlockPool, KvGeometry, block_hash, contiguous_runs};
 use crate::pool::{Lease, Pool};
+use crate::pregen::Pregenerated;
 use crate::protocol::ec::{
     EcConsumer, EcConsumerAction, EcEntry, EcProducer, EcProducerAction, EcProducerState,
 };
 use crate::protocol::kv::{KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, kv_tensor};
 use crate::protocol::{
-    ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, ProducerState,
-    bad_reply,
+    ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, bad_reply,
 };
 use crate::report::Failure;
 
@@ -62,6 +63,11 @@ pub struct StageConfig {
     /// How long a consumer waits for its producer's offer (upstream stages' work).
     pub request_timeout: Duration,
     pub prefix_cache: bool,
+    /// Consumers reserve and grant at the request's start, ahead of the offer (see
+    /// [`crate::protocol::Credit`]); `false`: on the offer.
+    pub credits: bool,
+    /// Stage-packet hops carry packets of at most this many bytes inline (0: never).
+    pub inline_below: u64,
     pub sizes: PoolSizes,
     /// Connector faults this run injects (see [`crate::faults::HarnessFault`]).
     pub faults: Arc<HarnessFaults>,
@@ -432,6 +438,38 @@ struct Side<M> {
     mem: M,
 }
 
+/// An output produced in staging memory, waiting for its write.
+#[derive(Debug)]
+struct Staged {
+    /// The staging space it was produced in; None for a pre-generated output.
+    _lease: Option<Lease>,
+    /// Where its bytes lie: the staging pool's buffer, or the pre-generated table's.
+    buffer: Buffer,
+    offset: u64,
+    len: u64,
+    digest: Digest128,
+}
+
+/// How a consumer's handoff starts: the offer already received (at `offered`), or a
+/// credit granted ahead that waits up to `offer_timeout` for it.
+#[derive(Debug, Clone, Copy)]
+struct Wait {
+    offered: Option<Instant>,
+    offer_timeout: Duration,
+}
+
+impl Wait {
+    /// How long a reservation may wait for room (pool space, KV blocks, an encoder-cache
+    /// entry another request is receiving): a hop timeout once the outputs exist; a credit,
+    /// made while upstream computes, as long as it would wait for the offer.
+    fn reserve_timeout(&self, hop_timeout: Duration) -> Duration {
+        match self.offered {
+            Some(_) => hop_timeout,
+            None => self.offer_timeout.max(hop_timeout),
+        }
+    }
+}
+
 /// One stage: stub, hop ends, pools.
 #[derive(Debug)]
 pub struct StageWorker {
@@ -439,6 +477,8 @@ pub struct StageWorker {
     stub: Stub,
     inbound: Option<Side<InMem>>,
     outbound: Option<Side<OutMem>>,
+    /// Outputs and input digests made ahead (benchmarks; see [`StageWorker::pregenerate`]).
+    pregen: Option<Pregenerated>,
 }
 
 fn kv_geometry(card: &ModelCard, options: &ShapeOptions, capacity: u32) -> KvGeometry {
@@ -550,7 +590,26 @@ impl StageWorker {
             cfg,
             inbound,
             outbound,
+            pregen: None,
         })
+    }
+
+    /// Makes this stage's outputs for `specs` now, into a registered buffer of its outbound
+    /// engine, and the digests its inputs must have: requests of these specs then write
+    /// their outputs from there (KV: copy them into the blocks) and check what arrives
+    /// against the remembered digests, so a benchmark times the data plane rather than
+    /// tensor generation. Every byte that arrives is still digested. Other requests are
+    /// generated and checked as ever. Returns the bytes of outputs held.
+    pub fn pregenerate(&mut self, specs: &[RequestSpec]) -> Result<u64> {
+        let plans = specs
+            .iter()
+            .map(|s| plan_request(&self.cfg.card, s, &self.cfg.options))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let engine = self.outbound.as_ref().map(|s| &*s.end.engine);
+        let t = cpu(|| Pregenerated::build(&self.stub, engine, &plans))?;
+        let bytes = t.bytes();
+        self.pregen = Some(t);
+        Ok(bytes)
     }
 
     pub fn stage(&self) -> Stage {
@@ -665,6 +724,69 @@ impl StageWorker {
         Ok(())
     }
 
+    /// Checks an inbound tensor that arrived whole (see [`Stub::check_input`]); against the
+    /// remembered digest when the input was pre-generated.
+    fn check_input(
+        &self,
+        plan: &RequestPlan,
+        tensor: &str,
+        bytes: &[u8],
+    ) -> std::result::Result<Digest128, StubError> {
+        let remembered = self.pregen.as_ref().and_then(|t| {
+            let hop = self.stub.inbound(plan)?;
+            let spec = hop.tensor(tensor)?;
+            let d = t.input_digest(plan.content_seed(hop.payload_kind), spec)?;
+            Some((spec.byte_length, d))
+        });
+        let Some((expected_len, expected)) = remembered else {
+            return self.stub.check_input(plan, tensor, bytes);
+        };
+        let stage = self.cfg.stage;
+        if bytes.len() as u64 != expected_len {
+            return Err(StubError::Length {
+                stage,
+                tensor: tensor.into(),
+                expected: expected_len,
+                found: bytes.len() as u64,
+            });
+        }
+        let found = Digest128::of_bytes(bytes);
+        if found != expected {
+            return Err(StubError::Digest {
+                stage,
+                tensor: tensor.into(),
+                expected: expected.to_hex(),
+                found: found.to_hex(),
+            });
+        }
+        Ok(found)
+    }
+
+    /// Checks one KV tensor's block digests (see [`Stub::check_kv_blocks`]); against the
+    /// remembered digests when the input was pre-generated.
+    fn check_kv_blocks(
+        &self,
+        plan: &RequestPlan,
+        tensor: &str,
+        received: &[Digest128],
+    ) -> std::result::Result<(), StubError> {
+        let remembered = self.pregen.as_ref().and_then(|t| {
+            let spec = self.stub.inbound(plan)?.tensor(tensor)?;
+            t.kv_digests(plan.seed, spec)
+        });
+        match remembered {
+            Some(expected) => {
+                omnirig_fixtures::check_blocks(tensor, expected, received).map_err(|source| {
+                    StubError::Fixture {
+                        stage: self.cfg.stage,
+                        source,
+                    }
+                })
+            }
+            None => self.stub.check_kv_blocks(plan, tensor, received),
+        }
+    }
+
     /// The connector fault scripted for this hop and request, if any.
     fn fault(&self, hop: &Hop, rid: &str) -> Option<HarnessFault> {
         self.cfg
@@ -701,28 +823,38 @@ impl StageWorker {
             });
             e
         };
-        // Reserve only once the producer has its outputs (as a scheduler would),
-        // so pools are held for the handoff, not for the upstream's compute. A
-        // consumer that gives up waiting says so, or its producer would wait a hop timeout.
-        match link.recv(rid, self.cfg.request_timeout).await {
-            Ok(Msg::Offer { .. }) => {}
-            Ok(other) => return Err(refuse(bad_reply(hop.payload_kind, rid, other))),
-            Err(e) => {
-                let e = Classified::new(FailureKind::TimedOut, format!("no offer: {e}"));
-                return Err(refuse(hop_err(None, &e)));
+        // With credits (the default), the consumer reserves and grants at once, while
+        // upstream computes, and the producer's offer marks the handoff's start; without,
+        // it reserves only once the producer has its outputs, holding its pools for the
+        // handoff alone. A consumer that gives up waiting for the offer says so, or its
+        // producer would wait a hop timeout.
+        let offered = if self.cfg.credits {
+            None
+        } else {
+            match link.recv(rid, self.cfg.request_timeout).await {
+                Ok(Msg::Offer { .. }) => {}
+                Ok(other) => return Err(refuse(bad_reply(hop.payload_kind, rid, other))),
+                Err(e) => {
+                    let e = Classified::new(FailureKind::TimedOut, format!("no offer: {e}"));
+                    return Err(refuse(hop_err(None, &e)));
+                }
             }
-        }
-        let t0 = Instant::now();
+            Some(Instant::now())
+        };
+        let wait = Wait {
+            offered,
+            // A credit waits for the offer as long as the request may take.
+            offer_timeout: self.cfg.request_timeout.saturating_sub(started.elapsed()),
+        };
         let mut rec = Received {
             hop: hop.payload_kind.as_str().into(),
-            start_ms: Some(ms(t0.duration_since(started))),
             ..Default::default()
         };
         let times: HandoffTimes;
         let held: Held = match &side.mem {
             InMem::Ec(store) => {
                 let (held, t) = self
-                    .receive_ec(store, engine, link, plan, hop, rid, t0, &mut rec)
+                    .receive_ec(store, engine, link, plan, hop, rid, wait, &mut rec)
                     .await?;
                 times = t;
                 rec.verify_ms = ms(times.verify());
@@ -734,7 +866,7 @@ impl StageWorker {
                     .as_ref()
                     .ok_or_else(|| hop_err(None, &"no KV layout"))?;
                 let (held, t, first_block, moved) = self
-                    .receive_kv(kv, engine, link, plan, hop, layout, rid, t0)
+                    .receive_kv(kv, engine, link, plan, hop, layout, rid, wait)
                     .await?;
                 times = t;
                 rec.verify_ms = ms(times.verify());
@@ -746,7 +878,7 @@ impl StageWorker {
             }
             InMem::Pool(pool) => {
                 let (held, t) = self
-                    .receive_packet(pool, engine, link, plan, hop, rid, t0)
+                    .receive_packet(pool, engine, link, plan, hop, rid, wait)
                     .await?;
                 times = t;
                 rec.tensors = hop.tensors.len();
@@ -756,6 +888,9 @@ impl StageWorker {
             }
         };
         let end = Instant::now();
+        // A handoff that ended well had its offer.
+        let t0 = times.offered.unwrap_or(end);
+        rec.start_ms = Some(ms(t0.duration_since(started)));
         rec.handoff_ms = ms(end.duration_since(t0));
         rec.phases_ms = times.phases(end);
         Ok((held, rec))
@@ -772,7 +907,7 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
-        offered: Instant,
+        wait: Wait,
     ) -> Result<(LeasesHeld, HandoffTimes)> {
         let plan_err = |tensor: &str, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, Some(tensor), cause)
@@ -783,19 +918,23 @@ impl StageWorker {
             _leases: vec![],
         };
         let fault = self.fault(hop, rid);
+        let within = wait.reserve_timeout(self.timeout());
         let mut m = PacketConsumer::new(hop.payload_kind, rid, hop.tensors.clone(), self.timeout());
-        m.handle_msg(
-            offered,
-            Msg::Offer {
-                request: rid.into(),
-            },
-        );
+        match wait.offered {
+            Some(at) => m.handle_msg(
+                at,
+                Msg::Offer {
+                    request: rid.into(),
+                },
+            ),
+            None => m.credit(Instant::now(), wait.offer_timeout),
+        }
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
                     ConsumerAction::Reserve => {
                         match self
-                            .reserve_packet(pool, engine, hop, rid, fault, &mut held)
+                            .reserve_packet(pool, engine, hop, rid, fault, within, &mut held)
                             .await
                         {
                             Ok((told, offsets)) => {
@@ -811,6 +950,16 @@ impl StageWorker {
                         revoke_all(engine, &grants);
                         m.fenced(Instant::now());
                     }
+                    ConsumerAction::Land {
+                        index,
+                        offset,
+                        bytes,
+                    } => {
+                        if let Err(e) = pool.buffer.write(offset, &bytes) {
+                            let e = plan_err(&hop.tensors[index].name, &e);
+                            m.verified(Instant::now(), index, Err(e));
+                        }
+                    }
                     ConsumerAction::Verify {
                         index,
                         tensor,
@@ -819,7 +968,7 @@ impl StageWorker {
                     } => {
                         let found = cpu(|| {
                             pool.buffer
-                                .view(offset, len, |b| self.stub.check_input(plan, &tensor, b))
+                                .view(offset, len, |b| self.check_input(plan, &tensor, b))
                         });
                         let found = match found {
                             Ok(Ok(d)) => Ok(d),
@@ -832,13 +981,16 @@ impl StageWorker {
                     ConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -856,7 +1008,7 @@ impl StageWorker {
         hop: &Hop,
         layout: &KvLayout,
         rid: &str,
-        offered: Instant,
+        wait: Wait,
     ) -> Result<(KvHeld, HandoffTimes, u32, usize)> {
         let hop_err = |tensor: Option<&str>, cause: &dyn Cause| {
             HarnessError::handoff(hop.payload_kind, rid, tensor, cause)
@@ -878,12 +1030,15 @@ impl StageWorker {
             layout.num_blocks,
             self.timeout(),
         );
-        m.handle_msg(
-            offered,
-            Msg::Offer {
-                request: rid.into(),
-            },
-        );
+        match wait.offered {
+            Some(at) => m.handle_msg(
+                at,
+                Msg::Offer {
+                    request: rid.into(),
+                },
+            ),
+            None => m.credit(Instant::now(), wait.offer_timeout),
+        }
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
@@ -901,7 +1056,7 @@ impl StageWorker {
                             Some(HarnessFault::PoolExhausted) => kv.geo.capacity as usize + 1,
                             _ => n - held.blocks.len(),
                         };
-                        match kv.alloc(want, self.timeout()).await {
+                        match kv.alloc(want, wait.reserve_timeout(self.timeout())).await {
                             Ok(tail) => {
                                 held.blocks.extend_from_slice(&tail);
                                 m.blocks(first_block, tail, vec![]);
@@ -962,8 +1117,7 @@ impl StageWorker {
                                         })
                                         .collect::<std::result::Result<Vec<_>, _>>()
                                         .map_err(|e| hop_err(Some(&name), &e))?;
-                                    self.stub
-                                        .check_kv_blocks(plan, &name, &digests)
+                                    self.check_kv_blocks(plan, &name, &digests)
                                         .map_err(|e| hop_err(Some(&name), &e))?;
                                 }
                             }
@@ -984,19 +1138,23 @@ impl StageWorker {
                     KvConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
 
     /// Reserves and grants a destination per tensor of a stage-packet hop (held in
     /// `held`); returns the grants to tell the producer and where each tensor lands.
+    #[allow(clippy::too_many_arguments)]
     async fn reserve_packet(
         &self,
         pool: &Arc<Pool>,
@@ -1004,6 +1162,7 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
         fault: Option<HarnessFault>,
+        within: Duration,
         held: &mut LeasesHeld,
     ) -> Result<(Vec<Grant>, Vec<u64>)> {
         let mut told = Vec::with_capacity(hop.tensors.len());
@@ -1016,10 +1175,7 @@ impl StageWorker {
                 Some(HarnessFault::PoolExhausted) => pool.capacity() + 1,
                 _ => t.byte_length,
             };
-            let lease = pool
-                .reserve(want, self.timeout())
-                .await
-                .map_err(|e| err(&e))?;
+            let lease = pool.reserve(want, within).await.map_err(|e| err(&e))?;
             let short = fault == Some(HarnessFault::GrantOutOfBounds) && t.byte_length > 1;
             let g = engine
                 .grant(
@@ -1056,7 +1212,7 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
-        offered: Instant,
+        wait: Wait,
         rec: &mut Received,
     ) -> Result<(EcHeld, HandoffTimes)> {
         let hop_err = |tensor: &str, cause: &dyn Cause| {
@@ -1071,19 +1227,23 @@ impl StageWorker {
             reserved: vec![],
             grants: vec![],
         };
+        let within = wait.reserve_timeout(self.timeout());
         let mut m = EcConsumer::new(hop.payload_kind, rid, self.timeout());
-        m.handle_msg(
-            offered,
-            Msg::Offer {
-                request: rid.into(),
-            },
-        );
+        match wait.offered {
+            Some(at) => m.handle_msg(
+                at,
+                Msg::Offer {
+                    request: rid.into(),
+                },
+            ),
+            None => m.credit(Instant::now(), wait.offer_timeout),
+        }
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
                     EcConsumerAction::Reserve => {
                         match self
-                            .reserve_ec(store, engine, plan, hop, rid, &mut held)
+                            .reserve_ec(store, engine, plan, hop, rid, within, &mut held)
                             .await
                         {
                             Ok(entries) => m.granted(Instant::now(), held.grants.clone(), entries),
@@ -1105,7 +1265,7 @@ impl StageWorker {
                         let found = cpu(|| {
                             store
                                 .buffer
-                                .view(offset, len, |b| self.stub.check_input(plan, &tensor, b))
+                                .view(offset, len, |b| self.check_input(plan, &tensor, b))
                         });
                         let found = match found {
                             Ok(Ok(d)) => Ok(d),
@@ -1134,13 +1294,16 @@ impl StageWorker {
                     EcConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -1155,9 +1318,10 @@ impl StageWorker {
         plan: &RequestPlan,
         hop: &Hop,
         rid: &str,
+        within: Duration,
         held: &mut EcHeld,
     ) -> Result<Vec<EcEntry>> {
-        let deadline = tokio::time::Instant::now() + self.timeout();
+        let deadline = tokio::time::Instant::now() + within;
         let mut slots: Vec<EcEntry> = Vec::new();
         let mut seen = HashSet::new();
         for item in &plan.mm_items {
@@ -1213,7 +1377,7 @@ impl StageWorker {
                                 hop.payload_kind,
                                 rid,
                                 Some(&spec.name),
-                                &format!("encoder cache: {got:?} for {:?}", self.timeout()),
+                                &format!("encoder cache: {got:?} for {within:?}"),
                             ));
                         }
                     }
@@ -1277,6 +1441,17 @@ impl StageWorker {
     ) -> Result<Sent> {
         let link = &side.end.link;
         let engine = &side.end.engine;
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        // The embeddings exist before the offer (see `send_packet`); entries the consumer
+        // has cached are produced too, as the encoder ran for them, but not moved.
+        let (staged, stage_ms) = match self.stage_outputs(pool, plan, hop, rid).await {
+            Ok(s) => s,
+            Err(e) => return Err(self.abort_staging(link, rid, e)),
+        };
+        sent.stage_ms = stage_ms;
         let mut m = EcProducer::new(
             Instant::now(),
             hop.payload_kind,
@@ -1284,10 +1459,6 @@ impl StageWorker {
             hop.tensors.clone(),
             self.timeout(),
         );
-        let mut sent = Sent {
-            hop: hop.payload_kind.as_str().into(),
-            ..Default::default()
-        };
         let mut writes: Vec<(usize, String, Grant)> = Vec::new();
         loop {
             while let Some(action) = m.poll_action() {
@@ -1312,32 +1483,35 @@ impl StageWorker {
                 }
             }
             if !writes.is_empty() {
-                // Stage every entry, then write them all in one engine batch.
+                // Every granted entry in one engine batch.
                 let mut requests = Vec::with_capacity(writes.len());
                 let mut indices = Vec::with_capacity(writes.len());
                 let mut names = Vec::with_capacity(writes.len());
-                let mut leases = Vec::with_capacity(writes.len());
-                let ts = Instant::now();
                 for (index, name, grant) in writes.drain(..) {
-                    match self.stage_tensor(pool, plan, hop, rid, &name, &grant).await {
-                        Ok((lease, len, digest)) => {
-                            m.staged(index, digest);
-                            requests.push(
-                                Request::write(&pool.buffer, lease.offset, &grant, 0, len)
-                                    .tagged(fault_tag(rid, &name)),
-                            );
-                            indices.push(index);
-                            names.push(name);
-                            sent.bytes += len;
-                            leases.push(lease);
-                        }
-                        Err((_, e)) => {
-                            m.stage_failed(index, e);
-                            break;
-                        }
-                    }
+                    let Some(s) = hop
+                        .tensors
+                        .iter()
+                        .position(|t| t.name == name)
+                        .map(|i| &staged[i])
+                    else {
+                        let e = HarnessError::handoff(
+                            hop.payload_kind,
+                            rid,
+                            Some(&name),
+                            &"not a tensor of this hop",
+                        );
+                        m.stage_failed(index, e);
+                        break;
+                    };
+                    m.staged(index, s.digest);
+                    requests.push(
+                        Request::write(&s.buffer, s.offset, &grant, 0, s.len)
+                            .tagged(fault_tag(rid, &name)),
+                    );
+                    indices.push(index);
+                    names.push(name);
+                    sent.bytes += s.len;
                 }
-                sent.stage_ms = ms(ts.elapsed());
                 if m.state() == EcProducerState::Writing {
                     sent.requests = requests.len();
                     sent.tensors = indices.len();
@@ -1346,7 +1520,10 @@ impl StageWorker {
                     let r = engine.transfer(requests, Some(self.timeout())).await;
                     sent.transfer_ms = ms(t.elapsed());
                     match r {
-                        Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                        Ok(_) => {
+                            let now = Instant::now();
+                            indices.iter().for_each(|&i| m.write_completed(now, i))
+                        }
                         Err(e) => {
                             let k = e.task();
                             let name = k.and_then(|k| names.get(k)).map(String::as_str);
@@ -1355,16 +1532,18 @@ impl StageWorker {
                         }
                     }
                 }
-                drop(leases);
                 continue;
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -1419,13 +1598,26 @@ impl StageWorker {
                     let spec = hop
                         .tensor(&name)
                         .ok_or_else(|| hop_err(Some(&name), &"not in the hop"))?;
+                    let made = self.pregen.as_ref().and_then(|t| {
+                        let o = t.output(plan.content_seed(hop.payload_kind), spec)?;
+                        Some((t.buffer()?, o.offset))
+                    });
                     for (i, &b) in held.blocks.iter().enumerate() {
-                        kv.buffer
-                            .fill(kv.geo.offset(layer, v, b), bb, |out| {
-                                self.stub.produce(plan, spec, i as u64 * bb, out)
-                            })
-                            .map_err(|e| hop_err(Some(&name), &e))?
-                            .map_err(|e| hop_err(Some(&name), &e))?;
+                        let at = kv.geo.offset(layer, v, b);
+                        match made {
+                            // Copied from the pre-generated tensor, block by block.
+                            Some((src, offset)) => src
+                                .view(offset + i as u64 * bb, bb, |from| kv.buffer.write(at, from))
+                                .and_then(|r| r)
+                                .map_err(|e| hop_err(Some(&name), &e))?,
+                            None => kv
+                                .buffer
+                                .fill(at, bb, |out| {
+                                    self.stub.produce(plan, spec, i as u64 * bb, out)
+                                })
+                                .map_err(|e| hop_err(Some(&name), &e))?
+                                .map_err(|e| hop_err(Some(&name), &e))?,
+                        }
                     }
                 }
             }
@@ -1496,7 +1688,10 @@ impl StageWorker {
                 let r = engine.transfer(requests, Some(self.timeout())).await;
                 sent.transfer_ms = ms(t.elapsed());
                 match r {
-                    Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
+                    Ok(_) => {
+                        let now = Instant::now();
+                        indices.iter().for_each(|&i| m.write_completed(now, i))
+                    }
                     Err(e) => {
                         let k = e.task();
                         let name = k.and_then(|k| names.get(k)).map(String::as_str);
@@ -1506,13 +1701,16 @@ impl StageWorker {
                 }
                 continue;
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
@@ -1530,6 +1728,17 @@ impl StageWorker {
     ) -> Result<Sent> {
         let link = &side.end.link;
         let engine = &side.end.engine;
+        let mut sent = Sent {
+            hop: hop.payload_kind.as_str().into(),
+            ..Default::default()
+        };
+        // The outputs exist before the offer, as a real stage's do when it finishes: the
+        // stub produces and digests them here, outside the handoff.
+        let (staged, stage_ms) = match self.stage_outputs(pool, plan, hop, rid).await {
+            Ok(s) => s,
+            Err(e) => return Err(self.abort_staging(link, rid, e)),
+        };
+        sent.stage_ms = stage_ms;
         let mut m = PacketProducer::new(
             Instant::now(),
             hop.payload_kind,
@@ -1537,6 +1746,10 @@ impl StageWorker {
             hop.tensors.clone(),
             self.timeout(),
         );
+        for (index, s) in staged.iter().enumerate() {
+            m.staged(index, s.digest);
+        }
+        m = m.with_inline_below(self.cfg.inline_below);
         if let Some(
             f @ (HarnessFault::TruncatedSidecar
             | HarnessFault::UnknownVersionSidecar
@@ -1545,10 +1758,6 @@ impl StageWorker {
         {
             m = m.with_sidecar(move |p| faulty_sidecar(f, p));
         }
-        let mut sent = Sent {
-            hop: hop.payload_kind.as_str().into(),
-            ..Default::default()
-        };
         let mut writes: Vec<(usize, Grant)> = Vec::new();
         loop {
             while let Some(action) = m.poll_action() {
@@ -1560,69 +1769,118 @@ impl StageWorker {
                     }
                     ProducerAction::Send(msg) => link.send(msg)?,
                     ProducerAction::Write { index, grant, .. } => writes.push((index, grant)),
+                    ProducerAction::Inline => {
+                        // The packet carries the tensors, in its layout.
+                        let t = Instant::now();
+                        sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                        let (at, span) = packet_layout(hop.tensors.iter().map(|t| &t.byte_length));
+                        let mut bytes = vec![0u8; span as usize];
+                        let read = staged.iter().zip(&at).try_for_each(|(s, &a)| {
+                            let a = a as usize;
+                            s.buffer.read(s.offset, &mut bytes[a..a + s.len as usize])
+                        });
+                        match read {
+                            Ok(()) => {
+                                sent.tensors = staged.len();
+                                sent.bytes = staged.iter().map(|s| s.len).sum();
+                                m.inlined(Instant::now(), bytes);
+                            }
+                            Err(e) => m.inline_failed(HarnessError::handoff(
+                                hop.payload_kind,
+                                rid,
+                                None,
+                                &e,
+                            )),
+                        }
+                        sent.transfer_ms = ms(t.elapsed());
+                    }
                     ProducerAction::Done => return Ok(sent),
                     ProducerAction::Failed(e) => return Err(e),
                 }
             }
             if !writes.is_empty() {
-                // Stage every tensor, then write them all in one engine batch.
+                // Every tensor in one engine batch.
                 let mut requests = Vec::with_capacity(writes.len());
                 let mut indices = Vec::with_capacity(writes.len());
-                let mut leases = Vec::with_capacity(writes.len());
-                let ts = Instant::now();
                 for (index, grant) in writes.drain(..) {
-                    let name = &hop.tensors[index].name;
-                    match self.stage_tensor(pool, plan, hop, rid, name, &grant).await {
-                        Ok((lease, len, digest)) => {
-                            m.staged(index, digest);
-                            requests.push(
-                                Request::write(&pool.buffer, lease.offset, &grant, 0, len)
-                                    .tagged(fault_tag(rid, name)),
-                            );
-                            indices.push(index);
-                            sent.bytes += len;
-                            leases.push(lease);
-                        }
-                        Err((_, e)) => {
-                            m.stage_failed(index, e);
-                            break;
-                        }
+                    let (name, s) = (&hop.tensors[index].name, &staged[index]);
+                    requests.push(
+                        Request::write(&s.buffer, s.offset, &grant, 0, s.len)
+                            .tagged(fault_tag(rid, name)),
+                    );
+                    indices.push(index);
+                    sent.bytes += s.len;
+                }
+                sent.requests = requests.len();
+                sent.tensors = indices.len();
+                let t = Instant::now();
+                sent.transfer_start_ms = Some(ms(t.duration_since(started)));
+                let r = engine.transfer(requests, Some(self.timeout())).await;
+                sent.transfer_ms = ms(t.elapsed());
+                match r {
+                    Ok(_) => {
+                        let now = Instant::now();
+                        indices.iter().for_each(|&i| m.write_completed(now, i))
+                    }
+                    Err(e) => {
+                        let index = e.task().and_then(|k| indices.get(k).copied());
+                        let name = index.map(|i| hop.tensors[i].name.as_str());
+                        let err = HarnessError::handoff(hop.payload_kind, rid, name, &e);
+                        m.write_failed(index, err);
                     }
                 }
-                sent.stage_ms = ms(ts.elapsed());
-                if m.state() == ProducerState::Writing {
-                    sent.requests = requests.len();
-                    sent.tensors = indices.len();
-                    let t = Instant::now();
-                    sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-                    let r = engine.transfer(requests, Some(self.timeout())).await;
-                    sent.transfer_ms = ms(t.elapsed());
-                    match r {
-                        Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
-                        Err(e) => {
-                            let index = e.task().and_then(|k| indices.get(k).copied());
-                            let name = index.map(|i| hop.tensors[i].name.as_str());
-                            let err = HarnessError::handoff(hop.payload_kind, rid, name, &e);
-                            m.write_failed(index, err);
-                        }
-                    }
-                }
-                drop(leases);
                 continue;
             }
-            let wait = m
+            let until = m
                 .poll_timeout()
                 .map(|d| d.saturating_duration_since(Instant::now()))
                 .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, wait).await {
+            match link.recv(rid, until).await {
                 Ok(msg) => m.handle_msg(Instant::now(), msg),
-                Err(e) => m.link_failed(e),
+                Err(e) => match m.poll_timeout() {
+                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    _ => m.link_failed(e),
+                },
             }
         }
     }
 
+    /// Produces and digests every output of `hop` in staging memory (one lease each),
+    /// before the offer; returns them in the hop's order and how long that took.
+    async fn stage_outputs(
+        &self,
+        pool: &Arc<Pool>,
+        plan: &RequestPlan,
+        hop: &Hop,
+        rid: &str,
+    ) -> std::result::Result<(Vec<Staged>, f64), (Vec<String>, HarnessError)> {
+        let ts = Instant::now();
+        let mut staged = Vec::with_capacity(hop.tensors.len());
+        for t in &hop.tensors {
+            staged.push(self.stage_tensor(pool, plan, hop, rid, &t.name).await?);
+        }
+        Ok((staged, ms(ts.elapsed())))
+    }
+
+    /// Staging an output failed before its offer: tell the consumer (waiting for the
+    /// offer, perhaps with a credit granted), naming the output.
+    fn abort_staging(
+        &self,
+        link: &Link,
+        rid: &str,
+        (failed, e): (Vec<String>, HarnessError),
+    ) -> HarnessError {
+        let _ = link.send(Msg::Error {
+            request: rid.into(),
+            failed,
+            cause: e.to_string(),
+            kind: e.failure_kind(),
+            peer: e.failure_peer(),
+        });
+        e
+    }
+
     /// Reserves staging space for output `name`, produces it there, and digests it.
-    #[allow(clippy::too_many_arguments)]
     async fn stage_tensor(
         &self,
         pool: &Arc<Pool>,
@@ -1630,8 +1888,7 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
         name: &str,
-        grant: &Grant,
-    ) -> std::result::Result<(Lease, u64, Digest128), (Vec<String>, HarnessError)> {
+    ) -> std::result::Result<Staged, (Vec<String>, HarnessError)> {
         let fail = |cause: &dyn Cause| {
             (
                 vec![name.to_string()],
@@ -1641,13 +1898,19 @@ impl StageWorker {
         let spec = hop
             .tensor(name)
             .ok_or_else(|| fail(&"not a tensor of this hop"))?;
-        if grant.len < spec.byte_length {
-            return Err(fail(&format!(
-                "grant of {} bytes for {} bytes",
-                grant.len, spec.byte_length
-            )));
-        }
         let len = spec.byte_length;
+        if let Some(t) = &self.pregen {
+            let seed = plan.content_seed(hop.payload_kind);
+            if let (Some(o), Some(buffer)) = (t.output(seed, spec), t.buffer()) {
+                return Ok(Staged {
+                    _lease: None,
+                    buffer: buffer.clone(),
+                    offset: o.offset,
+                    len,
+                    digest: o.digest,
+                });
+            }
+        }
         let lease = pool
             .reserve(len, self.timeout())
             .await
@@ -1660,7 +1923,13 @@ impl StageWorker {
         })
         .map_err(|e| fail(&e))?
         .map_err(|e| fail(&e))?;
-        Ok((lease, len, digest))
+        Ok(Staged {
+            offset: lease.offset,
+            _lease: Some(lease),
+            buffer: pool.buffer.clone(),
+            len,
+            digest,
+        })
     }
 
     // ---------------------------------------------------------------- teardown

@@ -114,6 +114,8 @@ async fn play_decode(r: &Rig, rid: &str, corrupt: Option<&str>) {
         .send(Msg::Packet {
             request: rid.into(),
             packet,
+            writing_us: 0,
+            inline: vec![],
         })
         .unwrap();
 }

@@ -143,10 +143,13 @@ static SAMPLES: LazyLock<Vec<Msg>> = LazyLock::new(|| {
                 tensor: "embed.vision".into(),
                 digest: "00112233445566778899aabbccddeeff".into(),
             }],
+            writing_us: 4_250,
         },
         Msg::Packet {
             request: r(),
             packet: vec![0x89, 0xae, b'p', b'a', b'c', b'k', 0, 1, 0xff],
+            writing_us: 17,
+            inline: vec![7; 96],
         },
         Msg::Error {
             request: r(),

@@ -366,3 +366,41 @@ async fn a_compute_past_the_request_timeout_fails_at_once() {
     );
     assert_eq!(q.failure.as_ref().unwrap().kind, "timed_out", "{e}");
 }
+
+/// Pre-generated payloads (benchmarks) are checked as strictly as generated ones: a byte
+/// corrupted in flight on any hop fails the request as `corrupt`, naming hop and tensor,
+/// while the healthy requests beside it arrive bit-exact.
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pregenerated_payloads_still_catch_corruption_loopback(
+    #[values(
+        PayloadKind::EncoderEmbeddings,
+        PayloadKind::KvCache,
+        PayloadKind::ThinkerToTalker,
+        PayloadKind::TalkerToCode2wav
+    )]
+    hop: PayloadKind,
+) {
+    let fault = FaultSpec {
+        hop: hop.as_str().into(),
+        request: 0,
+        tensor: None,
+        at: FaultPoint::AfterBytes(4096),
+        kind: AnyFault::Transport(FaultKind::Corrupt),
+        times: 1,
+    };
+    let mut s = scenario("loopback", vec![fault]);
+    s.pregenerate = true;
+    let r = run(s).await;
+    let q = &r.requests[0];
+    assert!(!q.ok, "corruption at {hop} went through");
+    let f = q.failure.as_ref().unwrap();
+    assert_eq!(f.kind, "corrupt", "{hop}: {:?}", q.error);
+    assert_eq!(f.hop.as_deref(), Some(hop.as_str()), "{:?}", q.error);
+    assert!(f.tensor.is_some(), "names no tensor: {:?}", q.error);
+    for q in &r.requests[1..] {
+        assert!(q.ok, "{}: {:?}", q.id, q.error);
+        assert!(q.hops.iter().all(|h| h.verified), "{}", q.id);
+    }
+    assert!(r.summary.pools_clean, "{}", r.summary_text());
+}

@@ -219,3 +219,66 @@ async fn default_scenario_runs_clean_loopback() {
     let text = r.summary_text();
     assert!(text.contains("5/5 requests ok, pools clean"), "{text}");
 }
+
+/// Stages fed pre-generated payloads (what benchmarks run) move and verify the same bytes:
+/// the default scenario (with a repeat whose outputs differ downstream of the caches) passes
+/// clean, every hop verified, pools back to zero.
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pregenerated_payloads_arrive_bit_exact(#[values("loopback", "tcp")] transport: &str) {
+    let mut s = Scenario::default_scenario().with_transport(transport.parse().unwrap());
+    s.pregenerate = true;
+    let r = Runner::new(s).run().await.unwrap();
+    assert_clean_pass(&r);
+    assert_eq!(r.summary.requests, 5);
+}
+
+/// Packets up to 64 KiB travel inline with their sidecar (Talker -> Code2Wav's codes), the
+/// rest through the engine; every byte still lands and verifies.
+#[rstest]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_packets_inline_arrive_bit_exact(#[values("loopback", "tcp")] transport: &str) {
+    let mut s = Scenario::golden("image_audio", transport.parse().unwrap());
+    s.inline_below = 64 << 10;
+    let r = Runner::new(s).run().await.unwrap();
+    assert_clean_pass(&r);
+    let q = &r.requests[0];
+    let hop = |k: PayloadKind| q.hops.iter().find(|h| h.hop == k.as_str()).unwrap();
+    let codes = hop(PayloadKind::TalkerToCode2wav);
+    assert!(codes.bytes <= 64 << 10, "{} bytes", codes.bytes);
+    assert_eq!(codes.requests, 0, "inline: no engine request");
+    assert_eq!(codes.moved_bytes, codes.bytes);
+    let t2t = hop(PayloadKind::ThinkerToTalker);
+    assert!(t2t.bytes > 64 << 10 && t2t.requests > 0, "{t2t:?}");
+}
+
+/// Credits are granted while upstream computes: a consumer's reservation may wait on
+/// upstream (here the second request's encoder-cache entry, which the first is receiving)
+/// for longer than a hop timeout, as its wait for the offer may; the hop timeout still
+/// bounds each handoff from its offer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credits_wait_out_upstream_compute_longer_than_a_hop_timeout_loopback() {
+    let yaml = r#"
+transport: loopback
+concurrency: 2
+hop_timeout_s: 0.3
+request_timeout_s: 20
+compute: { encoder: { per_item_us: 400000 } }
+requests: [{ case: image_audio, repeat: 2 }]
+"#;
+    let r = Runner::new(Scenario::from_yaml(yaml, "t").unwrap())
+        .run()
+        .await
+        .unwrap();
+    assert_clean_pass(&r);
+    // The second request's prefill took the first one's embeddings from its cache.
+    let ec = |i: usize| {
+        r.requests[i]
+            .hops
+            .iter()
+            .find(|h| h.hop == PayloadKind::EncoderEmbeddings.as_str())
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(ec(0).reused_bytes + ec(1).reused_bytes, ec(0).bytes);
+}

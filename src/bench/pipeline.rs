@@ -1,33 +1,32 @@
 //! `omnirig bench pipeline --concurrency 1,4,16,64`: end-to-end five-stage request latency
 //! (p50/p99) and throughput against concurrency, tensor-native against the current path.
 //!
-//! Both sides move the same bytes per request and hop (the scenario's requests, cycled):
+//! Both sides move the scenario's requests (cycled) through the five stages:
 //!
-//! - omnirig: every hop is the `bench hop` protocol (offer, reservation + grants, one engine
-//!   batch, packet v1 / FINISH, ack; inline below the threshold) between two processes over
-//!   tcp: the sending stage ends live in the driver, each receiving stage (prefill, decode,
-//!   talker, code2wav) in its own process with its own engine and pool. A request runs its
-//!   hops in pipeline order; `concurrency` requests are in flight (closed loop).
+//! - omnirig: the real pipeline runner, `omnirig run --processes` (five stage processes, the
+//!   harness connectors' protocol machines driven by `StageWorker`, credits and inline packets
+//!   as `omnirig run` has them), with zero compute and stages fed pre-generated payloads
+//!   (scenario `pregenerate`: each stage makes its outputs and its inputs' digests before the
+//!   run; every arriving byte is still digested and checked). The KV prefix cache is off, so
+//!   every request moves its whole KV cache as the baseline does; the encoder cache still
+//!   serves a repeated image or audio (the row's `omnirig moved` says how much moved). The
+//!   first `concurrency` requests of each level warm up and are left out of the figures.
 //! - current path: `ci/baseline/pickle_hop.py` runs the stages as five Python processes chained
 //!   by ZMQ PUSH/PULL on tcp://127.0.0.1 (the driver is the encoder); each stage unpickles its
 //!   inbound hop and pickles and sends its outbound hop; the last answers the driver.
 //!
 //! Stage compute is zero on both sides: this measures the data plane. Payloads are generated
-//! once per case before timing on both sides; the first handoff of every case and hop checks
-//! its bytes against the fixtures' digests (both sides).
+//! once before timing on both sides.
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use omnirig_fixtures::{PayloadKind, RequestSpec, TensorSpec};
-use omnirig_harness::Scenario;
-use omnirig_transports::{Engine, TcpConfig, TransportKind};
+use omnirig_harness::scenario::{RequestEntry, StageCompute};
+use omnirig_harness::{Runner, Scenario};
+use omnirig_transports::{Engine, EngineConfig, TransportKind};
 
-use super::hop::{
-    ConsumerProcess, HopPayload, Producer, Python, Scratch, connect_producer, engine_config,
-    hop_label, stage_payloads,
-};
+use super::hop::{Python, Scratch, hop_label, stage_payloads};
 use super::{Results, Row, Samples, human_size_approx};
 
 fn progress(msg: &str) {
@@ -44,13 +43,10 @@ pub struct Options {
     pub modes: Vec<String>,
     pub python: std::path::PathBuf,
     pub script: std::path::PathBuf,
-    pub tcp: TcpConfig,
-    /// Registered receive pool per stage (reservations wait for room: backpressure).
-    pub pool_bytes: u64,
     /// omnirig's transport between the stage processes (one that crosses processes).
     pub transport: TransportKind,
-    /// Stage hops: grant each handoff's destination ahead.
-    pub credits: bool,
+    /// The omnirig binary the stage processes run (`omnirig stage ...`).
+    pub exe: std::path::PathBuf,
 }
 
 /// The scenario's requests, in order: (label, spec, per hop in pipeline order: tensors).
@@ -68,12 +64,6 @@ fn cases(s: &Scenario) -> anyhow::Result<Vec<Case>> {
         out.push((r.label.clone(), r.spec.clone(), hops));
     }
     Ok(out)
-}
-
-struct Side {
-    producers: Vec<Producer>,
-    /// [case][hop]
-    payloads: Vec<Vec<Option<HopPayload>>>,
 }
 
 pub fn run(o: &Options) -> anyhow::Result<Results> {
@@ -97,14 +87,15 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
     }
     let scratch = Scratch::new("bench-pipeline")?;
     progress(&format!(
-        "generating the payloads of {} request(s) for 4 hops",
+        "writing the baseline's payloads of {} request(s) for 4 hops",
         cases.len()
     ));
-    // Per hop: one producer engine and source buffer holding every case's tensors.
-    let mut producers = Vec::new();
-    let mut payloads: Vec<Vec<Option<HopPayload>>> = vec![vec![None; 4]; cases.len()];
     let mut hop_files: Vec<Vec<Option<std::path::PathBuf>>> = vec![vec![None; 4]; cases.len()];
-    let mut consumers = Vec::new();
+    let engine = Engine::new(EngineConfig::for_kind(
+        "pipe-payloads",
+        TransportKind::Loopback,
+    ))
+    .await?;
     for (hi, kind) in PayloadKind::ALL.into_iter().enumerate() {
         let with: Vec<(usize, HopCase)> = cases
             .iter()
@@ -116,36 +107,14 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             })
             .collect();
         let specs: Vec<_> = with.iter().map(|x| x.1.clone()).collect();
-        let engine = Arc::new(
-            Engine::new(engine_config(
-                &format!("pipe-{}", hop_label(kind)),
-                o.transport,
-                &o.tcp,
-            ))
-            .await?,
-        );
-        let (src, ps, manifest) = stage_payloads(&engine, kind, &specs, Some(&scratch.0))?;
-        let max = ps.iter().map(|p| p.total).max().unwrap_or(0);
-        for ((ci, _), (p, m)) in with.iter().zip(ps.into_iter().zip(manifest)) {
+        let (_src, _ps, manifest) = stage_payloads(&engine, kind, &specs, Some(&scratch.0))?;
+        for ((ci, _), m) in with.iter().zip(manifest) {
             let path = scratch.0.join(format!("{}-{ci}.json", hop_label(kind)));
             std::fs::write(&path, serde_json::json!({ "cases": [m] }).to_string())?;
             hop_files[*ci][hi] = Some(path);
-            payloads[*ci][hi] = Some(p);
         }
-        let peer = ConsumerProcess::spawn(
-            o.pool_bytes.max(2 * max + (1 << 20)),
-            &o.tcp,
-            None,
-            o.transport,
-        )?;
-        producers
-            .push(connect_producer(&peer.hello, engine, src, o.inline_below, o.credits).await?);
-        consumers.push(peer);
     }
-    let side = Arc::new(Side {
-        producers,
-        payloads,
-    });
+    drop(engine);
     let manifest = scratch.0.join("pipeline.json");
     let m: Vec<_> = hop_files
         .iter()
@@ -155,97 +124,123 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
     let mut py = Python::spawn(&o.python, &o.script, None)?;
     py.call(serde_json::json!({"cmd": "pipeline_start", "manifest": manifest, "hops": 4}))?;
 
-    let mean_bytes = cases
-        .iter()
-        .map(|c| {
-            c.2.iter()
-                .flatten()
-                .flat_map(|t| t.iter())
-                .map(|t| t.byte_length)
-                .sum::<u64>()
-        })
-        .sum::<u64>()
-        / cases.len() as u64;
     let mut rows = Vec::new();
-    for (li, &c) in o.concurrency.iter().enumerate() {
+    for &c in &o.concurrency {
         let n = o.requests.max(2 * c);
         let seq: Vec<usize> = (0..n).map(|i| i % cases.len()).collect();
         let warm: Vec<usize> = (0..c.min(n)).map(|i| i % cases.len()).collect();
         progress(&format!(
-            "concurrency {c}: {n} requests (after {} warm-up), omnirig then {}",
+            "concurrency {c}: {n} requests (after {} warm-up), omnirig run --processes then {}",
             warm.len(),
             o.modes.join(", ")
         ));
-        closed_loop(&side, &warm, c, &format!("w{li}")).await?;
-        let (mut ours, ours_wall) = closed_loop(&side, &seq, c, &format!("c{li}")).await?;
-        ours.bytes_per_op = mean_bytes;
+        let ours = run_pipeline(o, &cases, &warm, &seq, c).await?;
+        let bytes_per_op = ours.baseline_bytes;
+        progress(&format!(
+            "omnirig: {} moved per request of {} ({} reused from the encoder cache)",
+            human_size_approx(ours.moved_bytes),
+            human_size_approx(ours.baseline_bytes),
+            human_size_approx(ours.baseline_bytes.saturating_sub(ours.moved_bytes)),
+        ));
+        let mut lat = ours.samples;
+        lat.bytes_per_op = bytes_per_op;
         for mode in &o.modes {
             let all: Vec<usize> = warm.iter().chain(&seq).copied().collect();
             let v = py.call(serde_json::json!({
                 "cmd": "pipeline", "cases": all, "concurrency": c, "mode": mode,
                 "warmup": warm.len(),
             }))?;
-            let mut base = Samples::new(mean_bytes);
+            let mut base = Samples::new(bytes_per_op);
             for x in v["lat_us"].as_array().context("lat_us")? {
                 base.push(super::baseline_latency(x)?);
             }
             let wall = v["wall_s"].as_f64().unwrap_or(f64::NAN);
-            let mut row = Row::new("request", mean_bytes, &ours, mode, &base);
+            let mut row = Row::new("request", bytes_per_op, &lat, mode, &base);
             row.concurrency = Some(c);
             row.case = Some(o.scenario.name.clone());
-            row.throughput_rps = Some((n as f64 / ours_wall, base.lat.len() as f64 / wall));
+            row.throughput_rps = Some((ours.rps, base.lat.len() as f64 / wall));
             rows.push(row);
         }
     }
-    for p in &side.producers {
-        let _ = p.link.send(omnirig_harness::control::Msg::Shutdown);
-    }
     drop(py);
-    drop(consumers);
     Ok(rows)
 }
 
-/// Runs `seq` (case indices) with `c` requests in flight; returns the end-to-end latencies and
-/// the wall time from the first start to the last end.
-async fn closed_loop(
-    side: &Arc<Side>,
-    seq: &[usize],
-    c: usize,
-    tag: &str,
-) -> anyhow::Result<(Samples, f64)> {
-    let sem = Arc::new(tokio::sync::Semaphore::new(c.max(1)));
-    let t0 = Instant::now();
-    let mut handles = Vec::new();
-    for (i, &case) in seq.iter().enumerate() {
-        let permit = sem.clone().acquire_owned().await?;
-        let side = side.clone();
-        let rid = format!("{tag}-{i}");
-        handles.push(tokio::spawn(async move {
-            let t = Instant::now();
-            let r = request(&side, case, &rid).await;
-            drop(permit);
-            r.map(|()| t.elapsed())
-        }));
-    }
-    let mut s = Samples::new(0);
-    for h in handles {
-        s.push(h.await??);
-    }
-    Ok((s, t0.elapsed().as_secs_f64()))
+/// One concurrency level on omnirig's side.
+struct Level {
+    samples: Samples,
+    /// Requests per second over the whole run (warm-ups included).
+    rps: f64,
+    /// Mean bytes a request carries over its hops (what the baseline moves).
+    baseline_bytes: u64,
+    /// Mean bytes omnirig moved per request (less where the encoder cache served).
+    moved_bytes: u64,
 }
 
-/// One request through the four hops, in pipeline order.
-async fn request(side: &Side, case: usize, rid: &str) -> anyhow::Result<()> {
-    for (hi, p) in side.payloads[case].iter().enumerate() {
-        let Some(p) = p else { continue };
-        let prod = &side.producers[hi];
-        prod.announce(rid, p)?;
-        prod.send(rid, p)
-            .await
-            .with_context(|| format!("request {rid} hop {}", hop_label(p.kind)))?;
-        prod.retire(rid)?;
+/// Runs `warm` then `seq` (case indices) through `omnirig run --processes` with `c` requests
+/// in flight, zero compute, stages fed pre-generated payloads; returns the timed requests'
+/// end-to-end latencies.
+async fn run_pipeline(
+    o: &Options,
+    cases: &[Case],
+    warm: &[usize],
+    seq: &[usize],
+    c: usize,
+) -> anyhow::Result<Level> {
+    let mut s = o.scenario.clone().with_transport(o.transport);
+    s.name = format!("{}-c{c}", o.scenario.name);
+    s.concurrency = c;
+    s.arrival = Default::default();
+    s.compute = StageCompute::default();
+    s.inline_below = o.inline_below;
+    s.prefix_cache = false;
+    s.pregenerate = true;
+    s.faults = Vec::new();
+    s.random_faults = None;
+    s.kill_stage = None;
+    s.requests = warm
+        .iter()
+        .chain(seq)
+        .map(|&ci| RequestEntry {
+            case: None,
+            name: Some(cases[ci].0.clone()),
+            request: Some(cases[ci].1.clone()),
+            repeat: 1,
+            vary_seed: false,
+        })
+        .collect();
+    let report = Runner::new(s)
+        .processes(o.exe.clone())
+        .progress(false)
+        .run()
+        .await?;
+    let mut requests = report.requests.clone();
+    requests.sort_by(|a, b| a.id.cmp(&b.id));
+    if let Some(q) = requests.iter().find(|q| !q.ok) {
+        bail!(
+            "omnirig request {} failed: {}",
+            q.id,
+            q.error.as_deref().unwrap_or("?")
+        );
     }
-    Ok(())
+    let timed = &requests[warm.len()..];
+    let mut samples = Samples::new(0);
+    for q in timed {
+        samples.push(Duration::from_secs_f64(q.e2e_ms / 1e3));
+    }
+    let per = |f: &dyn Fn(&omnirig_harness::HopResult) -> u64| {
+        timed
+            .iter()
+            .map(|q| q.hops.iter().map(f).sum::<u64>())
+            .sum::<u64>()
+            / timed.len().max(1) as u64
+    };
+    Ok(Level {
+        samples,
+        rps: requests.len() as f64 / report.wall_s,
+        baseline_bytes: per(&|h| h.bytes),
+        moved_bytes: per(&|h| h.moved_bytes),
+    })
 }
 
 /// The target (five-stage request >= 3x at concurrency 16), checked against this run.

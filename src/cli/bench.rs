@@ -22,9 +22,6 @@ pub enum BenchCmd {
     /// (internal) The far side of a two-process benchmark.
     #[command(hide = true)]
     Peer(PeerArgs),
-    /// (internal) The consumer stage of `bench hop`.
-    #[command(hide = true)]
-    HopPeer(HopPeerArgs),
 }
 
 /// What the hop and pipeline suites share.
@@ -104,25 +101,6 @@ pub struct PipelineArgs {
     /// Baseline modes: pickle, pickle5-oob (comma separated).
     #[arg(long, default_value = "pickle,pickle5-oob")]
     modes: String,
-    /// Registered receive pool per stage; reservations wait for room (backpressure).
-    #[arg(long, default_value = "512M")]
-    pool: String,
-}
-
-#[derive(clap::Args, Debug)]
-pub struct HopPeerArgs {
-    #[arg(long)]
-    pool_bytes: u64,
-    /// Pin the consumer to this CPU.
-    #[arg(long)]
-    cpu: Option<usize>,
-    /// Also serve peers of this host over shm.
-    #[arg(long)]
-    shm: bool,
-    #[arg(long)]
-    slice_size: u64,
-    #[arg(long)]
-    busy_poll_us: u64,
 }
 
 impl CommonArgs {
@@ -284,8 +262,11 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 },
                 cpus: bench::cpus::parse(&a.cpus)?,
                 transport: hop::process_transport(a.common.transport)?,
-                credits: !a.common.no_credits,
+                exe: std::env::current_exe().context("locating the omnirig binary")?,
             };
+            if a.common.no_credits {
+                anyhow::bail!("--no-credits: the pipeline's stages always grant credits ahead");
+            }
             let results = hop::run(&opts)?;
             emit(&results, hop::verdicts(&results), a.common.json.as_deref())
         }
@@ -312,11 +293,14 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 modes: a.modes.split(',').map(|m| m.trim().to_string()).collect(),
                 python: a.common.python.clone(),
                 script: a.common.script(),
-                tcp: TcpConfig::default(),
-                pool_bytes: one_size(&a.pool, "pool")?,
                 transport: hop::process_transport(a.common.transport)?,
-                credits: !a.common.no_credits,
+                exe: std::env::current_exe().context("locating the omnirig binary")?,
             };
+            if a.common.no_credits {
+                anyhow::bail!(
+                    "--no-credits: the pipeline runner's stages always grant credits ahead"
+                );
+            }
             let results = pipeline::run(&opts)?;
             emit(
                 &results,
@@ -324,17 +308,6 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 a.common.json.as_deref(),
             )
         }
-        BenchCmd::HopPeer(p) => hop::serve_peer(
-            p.pool_bytes,
-            p.cpu,
-            p.shm,
-            TcpConfig {
-                slice_size: p.slice_size,
-                max_payload: p.slice_size.max(TcpConfig::default().max_payload),
-                busy_poll: std::time::Duration::from_micros(p.busy_poll_us),
-                ..TcpConfig::default()
-            },
-        ),
         BenchCmd::Peer(p) => {
             if let Some(c) = p.cpu {
                 bench::cpus::pin(c)?;

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use omnirig_fixtures::{Digest128, PayloadKind, TensorSpec};
 use omnirig_transports::Grant;
 
-use super::{HandoffTimes, bad_reply};
+use super::{Credit, HandoffTimes, bad_reply, micros_since};
 use crate::control::{Msg, NamedDigest};
 use crate::ec::EcSlot;
 use crate::error::{Cause, Classified, FailureKind, HarnessError};
@@ -88,6 +88,7 @@ pub struct EcConsumer {
     declared: Vec<Option<String>>,
     verified: Vec<bool>,
     stale: usize,
+    credit: Credit,
     times: HandoffTimes,
     actions: VecDeque<EcConsumerAction>,
 }
@@ -105,8 +106,21 @@ impl EcConsumer {
             declared: vec![],
             verified: vec![],
             stale: 0,
+            credit: Credit::default(),
             times: HandoffTimes::default(),
             actions: VecDeque::new(),
+        }
+    }
+
+    /// Takes the entries from the cache and grants the missing ones ahead of the offer
+    /// (a [`Credit`]); the offer then marks the handoff's start. Without it within
+    /// `offer_timeout` of the grant, the credit is revoked, the encoder told, and the
+    /// handoff fails.
+    pub fn credit(&mut self, now: Instant, offer_timeout: Duration) {
+        if self.state == EcConsumerState::AwaitOffer {
+            self.credit = Credit::ahead(now, offer_timeout);
+            self.state = EcConsumerState::Reserving;
+            self.actions.push_back(EcConsumerAction::Reserve);
         }
     }
 
@@ -178,8 +192,34 @@ impl EcConsumer {
                 self.refuse(&e);
                 self.fail(e);
             }
-            (EcConsumerState::Granted, Msg::Finish { digests, .. }) => {
+            (EcConsumerState::Reserving | EcConsumerState::Granted, Msg::Offer { .. })
+                if self.credit.is_ahead() && self.times.offered.is_none() =>
+            {
+                let granted = self.state == EcConsumerState::Granted;
+                if let Some(Some(d)) =
+                    self.credit
+                        .offered(now, &mut self.times, granted, self.timeout)
+                {
+                    self.deadline = Some(d);
+                }
+            }
+            (EcConsumerState::Granted, Msg::Finish { .. })
+                if self.credit.reply_before_offer(&self.times) =>
+            {
                 self.times.replied = Some(now);
+                let e = self.err(None, &"a FINISH before its offer");
+                self.fail(e);
+            }
+            (
+                EcConsumerState::Granted,
+                Msg::Finish {
+                    digests,
+                    writing_us,
+                    ..
+                },
+            ) => {
+                self.times.replied = Some(now);
+                self.credit.replied(now, writing_us, &mut self.times);
                 self.deadline = None;
                 // The fence: the encoder says every write completed; nothing lands after this.
                 self.actions
@@ -236,7 +276,7 @@ impl EcConsumer {
         }
         self.grants = made;
         self.times.granted = Some(now);
-        self.deadline = Some(now + self.timeout);
+        self.deadline = Some(self.credit.deadline(now, &self.times, self.timeout));
         self.state = EcConsumerState::Granted;
         let slots = entries
             .iter()
@@ -276,17 +316,15 @@ impl EcConsumer {
         }
     }
 
-    /// The deadline passed without FINISH.
+    /// The deadline passed without FINISH (or, for a credit, without the offer).
     pub fn handle_timeout(&mut self, now: Instant) {
         match self.deadline {
             Some(d) if now >= d && !self.terminal() => {
-                let e = self.err(
-                    None,
-                    &Classified::new(
-                        FailureKind::TimedOut,
-                        format!("no FINISH within {:?} of the reservation", self.timeout),
-                    ),
-                );
+                let (text, tell) = self.credit.timed_out(&self.times, self.timeout, "FINISH");
+                let e = self.err(None, &Classified::new(FailureKind::TimedOut, text));
+                if tell {
+                    self.refuse(&e);
+                }
                 self.fail(e);
             }
             _ => {}
@@ -377,6 +415,8 @@ pub struct EcProducer {
     timeout: Duration,
     state: EcProducerState,
     deadline: Option<Instant>,
+    /// When the offer went out: replies say how long after it they come.
+    offered_at: Instant,
     /// The entries to move, in the reservation's order.
     names: Vec<String>,
     digests: Vec<Option<Digest128>>,
@@ -403,6 +443,7 @@ impl EcProducer {
             timeout,
             state: EcProducerState::Offered,
             deadline: Some(now + timeout),
+            offered_at: now,
             names: vec![],
             digests: vec![],
             in_flight: vec![],
@@ -457,7 +498,7 @@ impl EcProducer {
     }
 
     /// A message for this request arrived.
-    pub fn handle_msg(&mut self, _now: Instant, msg: Msg) {
+    pub fn handle_msg(&mut self, now: Instant, msg: Msg) {
         if self.terminal() {
             self.stale += 1;
             return;
@@ -498,7 +539,7 @@ impl EcProducer {
                         grant,
                     });
                 }
-                self.settle();
+                self.settle(now);
             }
             (EcProducerState::Offered, Msg::Refuse { cause, kind, .. }) => {
                 let kind = match kind {
@@ -522,7 +563,7 @@ impl EcProducer {
                     };
                     self.withdrawn = Some(e);
                 }
-                self.settle();
+                self.settle(now);
             }
             (_, other) => {
                 let e = self.err(None, &format!("unexpected {} message", other.name()));
@@ -568,7 +609,7 @@ impl EcProducer {
     }
 
     /// The write of entry `index` completed.
-    pub fn write_completed(&mut self, index: usize) {
+    pub fn write_completed(&mut self, now: Instant, index: usize) {
         if self.state != EcProducerState::Writing
             || !self.in_flight.get(index).copied().unwrap_or(false)
         {
@@ -577,7 +618,7 @@ impl EcProducer {
         }
         self.in_flight[index] = false;
         self.written[index] = true;
-        self.settle();
+        self.settle(now);
     }
 
     /// A write failed: `index`, the entry the failure names, if it names one.
@@ -592,7 +633,7 @@ impl EcProducer {
     }
 
     /// Announces FINISH once no write is in flight and every entry landed.
-    fn settle(&mut self) {
+    fn settle(&mut self, now: Instant) {
         if self.state != EcProducerState::Writing || self.in_flight.iter().any(|&f| f) {
             return;
         }
@@ -616,6 +657,7 @@ impl EcProducer {
         self.state = EcProducerState::Announced;
         self.actions.push_back(EcProducerAction::Send(Msg::Finish {
             request: self.rid.clone(),
+            writing_us: micros_since(self.offered_at, now),
             digests,
         }));
         self.actions.push_back(EcProducerAction::Done);
@@ -765,7 +807,7 @@ mod tests {
 
         fn complete_writes(&mut self) {
             for (i, _) in self.writes.clone() {
-                self.producer.write_completed(i);
+                self.producer.write_completed(self.now, i);
             }
             self.pump();
         }
@@ -886,7 +928,7 @@ mod tests {
     fn no_finish_before_the_last_write_completes_and_an_error_names_the_entry() {
         let mut p = Pair::new(vec![]);
         p.run_until_writing();
-        p.producer.write_completed(0);
+        p.producer.write_completed(p.now, 0);
         p.pump();
         assert!(
             p.to_consumer.is_empty(),
@@ -908,5 +950,26 @@ mod tests {
         assert_eq!(p.consumer_error().failure_kind(), FailureKind::GrantRefused);
         assert!(p.verify.is_empty() && p.cache.is_empty());
         assert_eq!(p.revoked.len(), 3);
+    }
+
+    #[test]
+    fn a_credit_takes_entries_before_the_offer_and_caches_what_moved() {
+        const WAIT: Duration = Duration::from_secs(30);
+        let mut p = Pair::new(vec!["embed.audio.0"]);
+        p.consumer.credit(p.now, WAIT);
+        p.pump(); // the encoder's offer and the credit cross
+        assert_eq!(p.consumer.state(), EcConsumerState::Granted);
+        p.deliver();
+        assert_eq!(p.producer.state(), EcProducerState::Writing);
+        p.now += Duration::from_millis(4);
+        p.complete_writes();
+        p.deliver();
+        p.verify_all(None);
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        let t = p.consumer.times();
+        assert_eq!(
+            (t.reserve(), t.transfer()),
+            (Duration::ZERO, Duration::from_millis(4))
+        );
     }
 }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use omnirig_fixtures::{KvLayout, PayloadKind};
 use omnirig_transports::Grant;
 
-use super::{HandoffTimes, bad_reply};
+use super::{Credit, HandoffTimes, bad_reply, micros_since};
 use crate::control::Msg;
 use crate::error::{Cause, Classified, FailureKind, HarnessError};
 use crate::kv::{KvGrant, KvReservation, KvWrite, contiguous_runs, plan_kv_writes};
@@ -94,6 +94,7 @@ pub struct KvConsumer {
     runs: Vec<GrantRun>,
     grants: Vec<Grant>,
     stale: usize,
+    credit: Credit,
     times: HandoffTimes,
     actions: VecDeque<KvConsumerAction>,
 }
@@ -119,8 +120,20 @@ impl KvConsumer {
             runs: vec![],
             grants: vec![],
             stale: 0,
+            credit: Credit::default(),
             times: HandoffTimes::default(),
             actions: VecDeque::new(),
+        }
+    }
+
+    /// Reserves and grants ahead of the offer (a [`Credit`]); the offer then marks the
+    /// handoff's start. Without it within `offer_timeout` of the grant, the credit is
+    /// revoked, prefill told, and the handoff fails.
+    pub fn credit(&mut self, now: Instant, offer_timeout: Duration) {
+        if self.state == KvConsumerState::AwaitOffer {
+            self.credit = Credit::ahead(now, offer_timeout);
+            self.state = KvConsumerState::Reserving;
+            self.actions.push_back(KvConsumerAction::Reserve);
         }
     }
 
@@ -193,8 +206,29 @@ impl KvConsumer {
                 self.refuse(&e);
                 self.fail(e);
             }
-            (KvConsumerState::Granted, Msg::Finish { .. }) => {
+            (
+                KvConsumerState::Reserving | KvConsumerState::Granting | KvConsumerState::Granted,
+                Msg::Offer { .. },
+            ) if self.credit.is_ahead() && self.times.offered.is_none() => {
+                let granted = self.state == KvConsumerState::Granted;
+                if let Some(Some(d)) =
+                    self.credit
+                        .offered(now, &mut self.times, granted, self.timeout)
+                {
+                    self.deadline = Some(d);
+                }
+            }
+            (KvConsumerState::Granted, Msg::Finish { .. })
+                if self.credit.reply_before_offer(&self.times) =>
+            {
                 self.times.replied = Some(now);
+                let e =
+                    HarnessError::handoff(self.kind, &self.rid, None, &"a FINISH before its offer");
+                self.fail(e);
+            }
+            (KvConsumerState::Granted, Msg::Finish { writing_us, .. }) => {
+                self.times.replied = Some(now);
+                self.credit.replied(now, writing_us, &mut self.times);
                 self.deadline = None;
                 // The fence: prefill says every write completed; nothing lands after this.
                 self.actions
@@ -271,7 +305,7 @@ impl KvConsumer {
         assert_eq!(told.len(), self.runs.len(), "one grant per run");
         self.grants = made;
         self.times.granted = Some(now);
-        self.deadline = Some(now + self.timeout);
+        self.deadline = Some(self.credit.deadline(now, &self.times, self.timeout));
         self.state = KvConsumerState::Granted;
         let grants = self
             .runs
@@ -318,19 +352,20 @@ impl KvConsumer {
         }
     }
 
-    /// The deadline passed without FINISH.
+    /// The deadline passed without FINISH (or, for a credit, without the offer).
     pub fn handle_timeout(&mut self, now: Instant) {
         match self.deadline {
             Some(d) if now >= d && !self.terminal() => {
+                let (text, tell) = self.credit.timed_out(&self.times, self.timeout, "FINISH");
                 let e = HarnessError::handoff(
                     self.kind,
                     &self.rid,
                     None,
-                    &Classified::new(
-                        FailureKind::TimedOut,
-                        format!("no FINISH within {:?} of the reservation", self.timeout),
-                    ),
+                    &Classified::new(FailureKind::TimedOut, text),
                 );
+                if tell {
+                    self.refuse(&e);
+                }
                 self.fail(e);
             }
             _ => {}
@@ -398,6 +433,8 @@ pub struct KvProducer {
     timeout: Duration,
     state: KvProducerState,
     deadline: Option<Instant>,
+    /// When the offer went out: replies say how long after it they come.
+    offered_at: Instant,
     names: Vec<String>,
     in_flight: Vec<bool>,
     written: Vec<bool>,
@@ -426,6 +463,7 @@ impl KvProducer {
             timeout,
             state: KvProducerState::Offered,
             deadline: Some(now + timeout),
+            offered_at: now,
             names: vec![],
             in_flight: vec![],
             written: vec![],
@@ -480,7 +518,7 @@ impl KvProducer {
     }
 
     /// A message for this request arrived.
-    pub fn handle_msg(&mut self, _now: Instant, msg: Msg) {
+    pub fn handle_msg(&mut self, now: Instant, msg: Msg) {
         if self.terminal() {
             self.stale += 1;
             return;
@@ -519,7 +557,7 @@ impl KvProducer {
                         name,
                     });
                 }
-                self.settle();
+                self.settle(now);
             }
             (KvProducerState::Offered, Msg::Refuse { cause, kind, .. }) => {
                 let kind = match kind {
@@ -543,7 +581,7 @@ impl KvProducer {
                     };
                     self.withdrawn = Some(e);
                 }
-                self.settle();
+                self.settle(now);
             }
             (_, other) => {
                 let e = self.err(None, &format!("unexpected {} message", other.name()));
@@ -577,7 +615,7 @@ impl KvProducer {
     }
 
     /// Write `index` completed.
-    pub fn write_completed(&mut self, index: usize) {
+    pub fn write_completed(&mut self, now: Instant, index: usize) {
         if self.state != KvProducerState::Writing
             || !self.in_flight.get(index).copied().unwrap_or(false)
         {
@@ -586,7 +624,7 @@ impl KvProducer {
         }
         self.in_flight[index] = false;
         self.written[index] = true;
-        self.settle();
+        self.settle(now);
     }
 
     /// A write failed: `index`, the write the failure names, if it names one. The ERROR
@@ -602,7 +640,7 @@ impl KvProducer {
     }
 
     /// Announces FINISH once no write is in flight and every run landed.
-    fn settle(&mut self) {
+    fn settle(&mut self, now: Instant) {
         if self.state != KvProducerState::Writing || self.in_flight.iter().any(|&f| f) {
             return;
         }
@@ -615,6 +653,7 @@ impl KvProducer {
         self.state = KvProducerState::Announced;
         self.actions.push_back(KvProducerAction::Send(Msg::Finish {
             request: self.rid.clone(),
+            writing_us: micros_since(self.offered_at, now),
             digests: vec![],
         }));
         self.actions.push_back(KvProducerAction::Done);
@@ -749,7 +788,7 @@ mod tests {
 
         fn complete_writes(&mut self) {
             for (i, _, _) in self.writes.clone() {
-                self.producer.write_completed(i);
+                self.producer.write_completed(self.now, i);
             }
             self.pump();
         }
@@ -882,7 +921,7 @@ mod tests {
         let n = p.writes.len();
         assert!(n > 1);
         for (i, _, _) in p.writes.clone().into_iter().take(n - 1) {
-            p.producer.write_completed(i);
+            p.producer.write_completed(p.now, i);
             p.pump();
             assert!(
                 p.to_consumer.is_empty(),
@@ -891,11 +930,11 @@ mod tests {
             );
         }
         // A completion reported twice does not count as another write.
-        p.producer.write_completed(0);
+        p.producer.write_completed(p.now, 0);
         p.pump();
         assert!(p.to_consumer.is_empty());
         assert_eq!(p.producer.stale(), 1);
-        p.producer.write_completed(p.writes[n - 1].0);
+        p.producer.write_completed(p.now, p.writes[n - 1].0);
         p.pump();
         assert!(matches!(p.to_consumer.as_slice(), [Msg::Finish { .. }]));
     }
@@ -987,5 +1026,56 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_credit_grants_the_tail_before_the_offer_and_a_finish_without_offer_is_refused() {
+        const WAIT: Duration = Duration::from_secs(30);
+        let mut p = Pair::new(2, vec![5, 6, 7]);
+        let offer = p.producer.poll_action();
+        p.consumer.credit(p.now, WAIT);
+        p.pump();
+        // Reserved and granted with no offer seen: the reservation waits for prefill.
+        assert_eq!(p.consumer.state(), KvConsumerState::Granted);
+        assert!(matches!(p.to_producer.as_slice(), [Msg::KvReserve { .. }]));
+        assert_eq!(p.consumer.poll_timeout(), Some(p.now + WAIT));
+        let Some(KvProducerAction::Send(offer)) = offer else {
+            panic!("the producer offers first")
+        };
+        // The offer arrives after 2 ms; the reservation crosses it.
+        p.now += Duration::from_millis(2);
+        p.consumer.handle_msg(p.now, offer);
+        assert_eq!(p.consumer.poll_timeout(), Some(p.now + TIMEOUT));
+        p.deliver();
+        assert_eq!(p.producer.state(), KvProducerState::Writing);
+        p.complete_writes();
+        p.deliver();
+        p.consumer.verified(p.now, Ok(()));
+        p.pump();
+        assert_eq!(p.consumer_end.as_ref().map(|r| r.is_ok()), Some(true));
+        assert_eq!(p.consumer.times().reserve(), Duration::ZERO);
+        assert_eq!(
+            p.revoked.len(),
+            2 * LAYERS as usize,
+            "one run per layer and K/V"
+        );
+
+        // A FINISH with no offer before it is not prefill's: refused, the credit revoked.
+        let mut q = Pair::new(0, vec![1, 2, 3, 4, 5]);
+        q.producer.poll_action();
+        q.consumer.credit(q.now, WAIT);
+        q.pump();
+        q.consumer.handle_msg(
+            q.now,
+            Msg::Finish {
+                request: "r1".into(),
+                digests: vec![],
+                writing_us: 0,
+            },
+        );
+        q.pump();
+        assert!(q.consumer_error().to_string().contains("before its offer"));
+        assert_eq!(q.revoked.len(), 2 * LAYERS as usize);
+        assert_eq!(q.verifies, 0);
     }
 }
