@@ -45,6 +45,10 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
         TransportKind::Rdma => rt.block_on(in_process(o, max, TransportKind::Rdma))?,
         TransportKind::Tcp => rt.block_on(tcp(o, max))?,
         TransportKind::Shm => rt.block_on(shm(o, max))?,
+        TransportKind::Sim => anyhow::bail!(
+            "bench transfer measures real transports; the sim transport's times are the model's \
+             (omnirig simulate)"
+        ),
     };
     Ok(Results {
         suite: "transfer".into(),

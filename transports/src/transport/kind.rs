@@ -26,6 +26,9 @@ pub enum TransportKind {
     /// Engines on hosts with an RDMA device: one-sided verbs into fenced grants (cargo feature
     /// `rdma`; a build without it refuses to start this transport, naming the feature).
     Rdma,
+    /// Engines of one process on a modelled fabric (links, NICs, latency, bandwidth, queues):
+    /// bytes really copied, time from tokio's clock, virtual when it is paused.
+    Sim,
 }
 
 impl TransportKind {
@@ -36,6 +39,7 @@ impl TransportKind {
         TransportKind::Shm,
         TransportKind::Rdma,
         TransportKind::Tcp,
+        TransportKind::Sim,
     ];
 
     /// The kind's name, as written in scenarios, on the command line and in reports.
@@ -45,6 +49,7 @@ impl TransportKind {
             TransportKind::Tcp => "tcp",
             TransportKind::Shm => "shm",
             TransportKind::Rdma => "rdma",
+            TransportKind::Sim => "sim",
         }
     }
 
@@ -56,9 +61,9 @@ impl TransportKind {
             .expect("every kind is in ALL")
     }
 
-    /// Whether engines of two processes can use it (loopback cannot).
+    /// Whether engines of two processes can use it (loopback and sim cannot).
     pub const fn crosses_processes(self) -> bool {
-        !matches!(self, TransportKind::Loopback)
+        !matches!(self, TransportKind::Loopback | TransportKind::Sim)
     }
 
     /// The valid names, comma separated, for error messages.

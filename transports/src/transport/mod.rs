@@ -28,6 +28,7 @@ pub mod kind;
 pub mod loopback;
 pub mod rdma;
 pub mod shm;
+pub mod sim;
 pub mod tcp;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -221,6 +222,7 @@ pub fn default_setup(kind: TransportKind) -> Arc<dyn TransportSetup> {
         TransportKind::Tcp => Arc::new(tcp::TcpConfig::default()),
         TransportKind::Shm => Arc::new(shm::ShmConfig::default()),
         TransportKind::Rdma => Arc::new(rdma::RdmaConfig::default()),
+        TransportKind::Sim => Arc::new(sim::SimConfig::default()),
     }
 }
 
