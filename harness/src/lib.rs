@@ -34,6 +34,7 @@ pub mod protocol;
 pub mod report;
 pub mod runner;
 pub mod scenario;
+pub mod sim;
 pub mod stage;
 
 pub use error::{HarnessError, Result};

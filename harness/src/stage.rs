@@ -255,6 +255,13 @@ pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Now on tokio's clock, as the protocol machines' std instant: the wall clock normally,
+/// virtual time under a paused runtime (the sim transport's runs), so deadlines and timings
+/// follow the simulated fabric.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -560,7 +567,7 @@ impl StageWorker {
     /// Runs this stage's part of one request. Never panics on bad input: every
     /// failure ends up in the outcome's `error`, and what the request held is released.
     pub async fn process(&self, request: &str, spec: &RequestSpec) -> StageOutcome {
-        let t0 = Instant::now();
+        let t0 = now();
         let mut out = StageOutcome {
             stage: self.cfg.stage.as_str().into(),
             ..Default::default()
@@ -598,7 +605,7 @@ impl StageWorker {
         {
             side.link.forget(request);
         }
-        out.total_ms = ms(t0.elapsed());
+        out.total_ms = ms(now().saturating_duration_since(t0));
         out
     }
 
@@ -633,7 +640,10 @@ impl StageWorker {
         // Nobody waits past the request timeout (downstream stages for this stage's offer,
         // counted from when they started the request as this one did): a modelled compute
         // that would end later fails now, instead of keeping the run alive for nothing.
-        let budget = self.cfg.request_timeout.saturating_sub(started.elapsed());
+        let budget = self
+            .cfg
+            .request_timeout
+            .saturating_sub(now().saturating_duration_since(started));
         if c > budget {
             let e = HarnessError::Deadline {
                 stage: self.cfg.stage.as_str().into(),
@@ -652,12 +662,12 @@ impl StageWorker {
             self.abort_outbound(rid, plan, &e).await;
             return Err(e);
         }
-        let t = Instant::now();
+        let t = now();
         out.compute_start_ms = Some(ms(t.duration_since(started)));
         if !c.is_zero() {
             tokio::time::sleep(c).await;
         }
-        out.compute_ms = ms(t.elapsed());
+        out.compute_ms = ms(now().saturating_duration_since(t));
         if let (Some(side), Some(hop)) = (&self.outbound, self.stub.outbound(plan)) {
             out.sent = Some(self.send(side, plan, hop, rid, started).await?);
         }
@@ -712,7 +722,7 @@ impl StageWorker {
                 return Err(refuse(hop_err(None, &e)));
             }
         }
-        let t0 = Instant::now();
+        let t0 = now();
         let mut rec = Received {
             hop: hop.payload_kind.as_str().into(),
             start_ms: Some(ms(t0.duration_since(started))),
@@ -755,7 +765,7 @@ impl StageWorker {
                 Box::new(held)
             }
         };
-        let end = Instant::now();
+        let end = now();
         rec.handoff_ms = ms(end.duration_since(t0));
         rec.phases_ms = times.phases(end);
         Ok((held, rec))
@@ -799,7 +809,7 @@ impl StageWorker {
                             .await
                         {
                             Ok((told, offsets)) => {
-                                m.granted(Instant::now(), held.grants.clone(), told, offsets)
+                                m.granted(now(), held.grants.clone(), told, offsets)
                             }
                             Err(e) => m.reserve_failed(vec![], e),
                         }
@@ -809,7 +819,7 @@ impl StageWorker {
                     }
                     ConsumerAction::Revoke(grants) => {
                         revoke_all(engine, &grants);
-                        m.fenced(Instant::now());
+                        m.fenced(now());
                     }
                     ConsumerAction::Verify {
                         index,
@@ -826,7 +836,7 @@ impl StageWorker {
                             Ok(Err(e)) => Err(plan_err(&tensor, &e)),
                             Err(e) => Err(plan_err(&tensor, &e)),
                         };
-                        m.verified(Instant::now(), index, found);
+                        m.verified(now(), index, found);
                     }
                     ConsumerAction::Done => return Ok((held, m.times())),
                     ConsumerAction::Failed(e) => return Err(e),
@@ -834,10 +844,10 @@ impl StageWorker {
             }
             let wait = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, wait).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => m.link_failed(e),
             }
         }
@@ -933,7 +943,7 @@ impl StageWorker {
                             }
                         }
                         match failed {
-                            None => m.granted(Instant::now(), held.grants.clone(), told),
+                            None => m.granted(now(), held.grants.clone(), told),
                             Some(e) => m.reserve_failed(vec![], e),
                         }
                     }
@@ -942,7 +952,7 @@ impl StageWorker {
                     }
                     KvConsumerAction::Revoke(grants) => {
                         revoke_all(engine, &grants);
-                        m.fenced(Instant::now());
+                        m.fenced(now());
                     }
                     KvConsumerAction::Verify => {
                         // Every block the stage will use, reused ones included.
@@ -975,7 +985,7 @@ impl StageWorker {
                                 pool.commit(b, block_hash(plan.seed, i as u64));
                             }
                         }
-                        m.verified(Instant::now(), found);
+                        m.verified(now(), found);
                     }
                     KvConsumerAction::Done => {
                         let (first, moved) = (m.first_block(), m.tail().len());
@@ -986,10 +996,10 @@ impl StageWorker {
             }
             let wait = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, wait).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => m.link_failed(e),
             }
         }
@@ -1086,7 +1096,7 @@ impl StageWorker {
                             .reserve_ec(store, engine, plan, hop, rid, &mut held)
                             .await
                         {
-                            Ok(entries) => m.granted(Instant::now(), held.grants.clone(), entries),
+                            Ok(entries) => m.granted(now(), held.grants.clone(), entries),
                             Err(e) => m.reserve_failed(vec![], e),
                         }
                     }
@@ -1094,7 +1104,7 @@ impl StageWorker {
                     EcConsumerAction::Send(msg) => consumer_send(link, engine, msg, None, &[])?,
                     EcConsumerAction::Revoke(grants) => {
                         revoke_all(engine, &grants);
-                        m.fenced(Instant::now());
+                        m.fenced(now());
                     }
                     EcConsumerAction::Verify {
                         index,
@@ -1112,7 +1122,7 @@ impl StageWorker {
                             Ok(Err(e)) => Err(hop_err(&tensor, &e)),
                             Err(e) => Err(hop_err(&tensor, &e)),
                         };
-                        m.verified(Instant::now(), index, found);
+                        m.verified(now(), index, found);
                     }
                     EcConsumerAction::Cache { mm_hash } => {
                         held.reserved.retain(|r| r.0 != mm_hash);
@@ -1136,10 +1146,10 @@ impl StageWorker {
             }
             let wait = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, wait).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => m.link_failed(e),
             }
         }
@@ -1278,7 +1288,7 @@ impl StageWorker {
         let link = &side.end.link;
         let engine = &side.end.engine;
         let mut m = EcProducer::new(
-            Instant::now(),
+            now(),
             hop.payload_kind,
             rid,
             hop.tensors.clone(),
@@ -1304,7 +1314,8 @@ impl StageWorker {
                     EcProducerAction::Done => {
                         // Everything was cached downstream: an empty transfer, now.
                         if sent.transfer_start_ms.is_none() {
-                            sent.transfer_start_ms = Some(ms(started.elapsed()));
+                            sent.transfer_start_ms =
+                                Some(ms(now().saturating_duration_since(started)));
                         }
                         return Ok(sent);
                     }
@@ -1317,7 +1328,7 @@ impl StageWorker {
                 let mut indices = Vec::with_capacity(writes.len());
                 let mut names = Vec::with_capacity(writes.len());
                 let mut leases = Vec::with_capacity(writes.len());
-                let ts = Instant::now();
+                let ts = now();
                 for (index, name, grant) in writes.drain(..) {
                     match self.stage_tensor(pool, plan, hop, rid, &name, &grant).await {
                         Ok((lease, len, digest)) => {
@@ -1337,14 +1348,14 @@ impl StageWorker {
                         }
                     }
                 }
-                sent.stage_ms = ms(ts.elapsed());
+                sent.stage_ms = ms(now().saturating_duration_since(ts));
                 if m.state() == EcProducerState::Writing {
                     sent.requests = requests.len();
                     sent.tensors = indices.len();
-                    let t = Instant::now();
+                    let t = now();
                     sent.transfer_start_ms = Some(ms(t.duration_since(started)));
                     let r = engine.transfer(requests, Some(self.timeout())).await;
-                    sent.transfer_ms = ms(t.elapsed());
+                    sent.transfer_ms = ms(now().saturating_duration_since(t));
                     match r {
                         Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
                         Err(e) => {
@@ -1360,10 +1371,10 @@ impl StageWorker {
             }
             let wait = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, wait).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => m.link_failed(e),
             }
         }
@@ -1436,7 +1447,7 @@ impl StageWorker {
             return Err(e);
         }
         let mut m = KvProducer::new(
-            Instant::now(),
+            now(),
             hop.payload_kind,
             rid,
             held.blocks.clone(),
@@ -1470,7 +1481,7 @@ impl StageWorker {
             }
             if !writes.is_empty() {
                 // Every run contiguous on both sides is one request, all in one batch.
-                let ts = Instant::now();
+                let ts = now();
                 let mut requests = Vec::with_capacity(writes.len());
                 let mut indices = Vec::with_capacity(writes.len());
                 let mut names = Vec::with_capacity(writes.len());
@@ -1489,12 +1500,12 @@ impl StageWorker {
                     names.push(name);
                     sent.bytes += len;
                 }
-                sent.stage_ms = ms(ts.elapsed());
+                sent.stage_ms = ms(now().saturating_duration_since(ts));
                 sent.requests = requests.len();
-                let t = Instant::now();
+                let t = now();
                 sent.transfer_start_ms = Some(ms(t.duration_since(started)));
                 let r = engine.transfer(requests, Some(self.timeout())).await;
-                sent.transfer_ms = ms(t.elapsed());
+                sent.transfer_ms = ms(now().saturating_duration_since(t));
                 match r {
                     Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
                     Err(e) => {
@@ -1508,10 +1519,10 @@ impl StageWorker {
             }
             let wait = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, wait).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => m.link_failed(e),
             }
         }
@@ -1531,7 +1542,7 @@ impl StageWorker {
         let link = &side.end.link;
         let engine = &side.end.engine;
         let mut m = PacketProducer::new(
-            Instant::now(),
+            now(),
             hop.payload_kind,
             rid,
             hop.tensors.clone(),
@@ -1569,7 +1580,7 @@ impl StageWorker {
                 let mut requests = Vec::with_capacity(writes.len());
                 let mut indices = Vec::with_capacity(writes.len());
                 let mut leases = Vec::with_capacity(writes.len());
-                let ts = Instant::now();
+                let ts = now();
                 for (index, grant) in writes.drain(..) {
                     let name = &hop.tensors[index].name;
                     match self.stage_tensor(pool, plan, hop, rid, name, &grant).await {
@@ -1589,14 +1600,14 @@ impl StageWorker {
                         }
                     }
                 }
-                sent.stage_ms = ms(ts.elapsed());
+                sent.stage_ms = ms(now().saturating_duration_since(ts));
                 if m.state() == ProducerState::Writing {
                     sent.requests = requests.len();
                     sent.tensors = indices.len();
-                    let t = Instant::now();
+                    let t = now();
                     sent.transfer_start_ms = Some(ms(t.duration_since(started)));
                     let r = engine.transfer(requests, Some(self.timeout())).await;
-                    sent.transfer_ms = ms(t.elapsed());
+                    sent.transfer_ms = ms(now().saturating_duration_since(t));
                     match r {
                         Ok(_) => indices.iter().for_each(|&i| m.write_completed(i)),
                         Err(e) => {
@@ -1612,10 +1623,10 @@ impl StageWorker {
             }
             let wait = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, wait).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => m.link_failed(e),
             }
         }
