@@ -253,3 +253,19 @@ pub struct FabricUse {
     pub bytes: u64,
     pub utilisation: f64,
 }
+
+/// Reads a fabric file (YAML, the same shape as a scenario's `fabric:` section), validated.
+pub fn fabric_from_path(path: &std::path::Path) -> Result<FabricSpec> {
+    let name = path.display().to_string();
+    let bad = |reason: String| HarnessError::Scenario {
+        source_name: name.clone(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let spec: FabricSpec = serde_saphyr::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    spec.validate().map_err(|e| bad(e.detail().to_string()))?;
+    for stage in spec.placement.keys() {
+        omnirig_fixtures::Stage::parse(stage, "placement").map_err(|e| bad(e.to_string()))?;
+    }
+    Ok(spec)
+}
