@@ -51,12 +51,12 @@ pub fn scenario_of(seed: u64, fabric: &FabricSpec) -> Scenario {
     s.requests = (0..n)
         .map(|i| {
             let d = draw(seed, 100 + i);
-            let images = if d % 3 == 0 {
+            let images = if d.is_multiple_of(3) {
                 serde_json::json!([{ "width": 64, "height": 64 }])
             } else {
                 serde_json::json!([])
             };
-            let audios = if d % 5 == 0 {
+            let audios = if d.is_multiple_of(5) {
                 serde_json::json!([{ "seconds": 1.0 }])
             } else {
                 serde_json::json!([])
@@ -96,8 +96,8 @@ pub fn scenario_of(seed: u64, fabric: &FabricSpec) -> Scenario {
     };
     s.hop_timeout_s = pick(seed, 5, &[0.05, 0.2, 1.0]);
     s.request_timeout_s = 10.0;
-    s.distinct_outputs = draw(seed, 6) % 4 != 0;
-    s.prefix_cache = draw(seed, 7) % 3 != 0;
+    s.distinct_outputs = !draw(seed, 6).is_multiple_of(4);
+    s.prefix_cache = !draw(seed, 7).is_multiple_of(3);
     let fraction = pick(seed, 8, &[0.0, 0.1, 0.3, 0.6]);
     if fraction > 0.0 {
         s.random_faults = Some(RandomFaults {
@@ -107,7 +107,7 @@ pub fn scenario_of(seed: u64, fabric: &FabricSpec) -> Scenario {
         });
     }
     // Now and then a scripted harness fault on top (sidecar, grant and pool faults).
-    if draw(seed, 9) % 4 == 0 {
+    if draw(seed, 9).is_multiple_of(4) {
         let kind = pick(seed, 10, &HarnessFault::ALL);
         let hop = match kind {
             HarnessFault::TruncatedSidecar
