@@ -590,7 +590,11 @@ impl Link {
                 .inbox
                 .closed()
                 .unwrap_or_else(|| "link closed".into()))),
-            Err(_) => Err(err(format!("no message for {key:?} within {timeout:?}"))),
+            Err(_) => Err(HarnessError::ControlTimeout {
+                channel: self.name.to_string(),
+                key: key.to_string(),
+                waited: timeout,
+            }),
         }
     }
 

@@ -29,6 +29,13 @@ pub enum HarnessError {
     /// A control channel failed or delivered a malformed message.
     #[error("control channel {channel}: {reason}")]
     Control { channel: String, reason: String },
+    /// A control channel delivered no message for a request within the wait's deadline.
+    #[error("control channel {channel}: no message for {key:?} within {waited:?}")]
+    ControlTimeout {
+        channel: String,
+        key: String,
+        waited: std::time::Duration,
+    },
     /// A stage's registered pool cannot hold a reservation.
     #[error("pool {pool}: {reason}")]
     Pool { pool: String, reason: String },
@@ -162,7 +169,9 @@ impl Cause for HarnessError {
             HarnessError::Stub(e) => e.failure_kind(),
             HarnessError::Fixture(e) => e.failure_kind(),
             HarnessError::Io(_) => FailureKind::Io,
-            HarnessError::Deadline { .. } => FailureKind::TimedOut,
+            HarnessError::Deadline { .. } | HarnessError::ControlTimeout { .. } => {
+                FailureKind::TimedOut
+            }
             _ => FailureKind::Other,
         }
     }

@@ -493,7 +493,7 @@ impl Remote {
                 )),
                 Err(e) => {
                     // Closed: the process died. Silent past the deadline: stopped or hung.
-                    let silent = matches!(&e, HarnessError::Control { reason, .. } if reason.starts_with("no message"));
+                    let silent = matches!(&e, HarnessError::ControlTimeout { .. });
                     let why = if silent {
                         format!(
                             "did not answer request {id} within {:.1} s (request timeout + 8 hop timeouts + compute + 5 s); stopped or hung",

@@ -145,3 +145,26 @@ fn the_model_shapes_the_run_and_the_seed_shapes_the_trace() {
     );
     assert!(fast.trace.iter().any(|l| l.contains("msg kv_cache>")));
 }
+
+/// The shipped RFC fabric and scenario load, and a request on them arrives bit-exact with
+/// its latency in the modelled range: the hop's bytes over 400 Gb/s, plus the modelled
+/// compute.
+#[test]
+fn the_rfc_fabric_runs() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let fabric = sim::fabric_from_path(&root.join("fabrics/rfc-ndr400.yaml")).unwrap();
+    let mut s = Scenario::from_path(&root.join("scenarios/rfc.yaml")).unwrap();
+    s.requests.truncate(1);
+    s.fabric = Some(fabric);
+    let run = sim::run(&s, None).unwrap();
+    assert!(run.report.passed(), "{}", run.report.summary_text());
+    // talker and code2wav share a node: their hop never touches a NIC.
+    assert!(
+        run.trace
+            .iter()
+            .any(|l| l.contains("talker_to_code2wav> speech.local")),
+        "no local hop in the trace"
+    );
+    let bad = sim::fabric_from_path(&root.join("scenarios/rfc.yaml")).unwrap_err();
+    assert!(bad.to_string().contains("rfc.yaml"), "{bad}");
+}

@@ -1157,10 +1157,14 @@ impl Engine {
             run_task(self.inner.clone(), batch.shared.clone(), i, p, alive, false)
                 .instrument(span.clone())
         }));
+        // Biased: an unbiased select polls its branches in a random order, and which one runs
+        // first decides whether more slices start after a failure; a simulated run must
+        // repeat exactly (docs/sim.md).
         tokio::select! {
-            _ = drivers => batch.wait_all().await,
+            biased;
             // The first failure ends the wait; dropping `drivers` cancels the rest.
             r = batch.wait_all() => r,
+            _ = drivers => batch.wait_all().await,
         }
     }
 
