@@ -36,6 +36,10 @@ pub struct SimulateArgs {
     /// Write predictions (and the comparison) here: simulate.json, simulate.md, plots.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Also write the scenario as simulated at each concurrency (`scenario-cN.yaml`), so
+    /// measured runs can run exactly the same requests.
+    #[arg(long)]
+    scenarios_out: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -139,6 +143,11 @@ fn compare(p: &Prediction, m: &Report) -> Vec<Comparison> {
     for h in &p.hops {
         if let Some(mh) = m.hops.iter().find(|x| x.hop == h.hop) {
             push(
+                format!("{} transfer p50", h.hop),
+                h.transfer_ms_p50,
+                mh.transfer_ms_p50,
+            );
+            push(
                 format!("{} handoff p50", h.hop),
                 h.handoff_ms_p50,
                 mh.handoff_ms_p50,
@@ -220,6 +229,7 @@ fn plot(cmp: &[Comparison], path: &Path) -> anyhow::Result<()> {
         .flat_map(|c| [c.predicted_ms, c.measured_ms])
         .fold(0.0, f64::max)
         * 2.0;
+    crate::report::plot::register_font();
     let root = SVGBackend::new(path, (720, 560)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
@@ -247,7 +257,13 @@ fn plot(cmp: &[Comparison], path: &Path) -> anyhow::Result<()> {
         ))?;
     }
     chart.draw_series(cmp.iter().map(|c| {
-        let color = if c.what.starts_with("e2e") { RED } else { BLUE };
+        let color = if c.what.starts_with("e2e") {
+            RED
+        } else if c.what.ends_with("transfer p50") {
+            GREEN
+        } else {
+            BLUE
+        };
         Circle::new((c.measured_ms, c.predicted_ms), 4, color.filled())
     }))?;
     root.present()?;
@@ -281,6 +297,16 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             serde_json::from_str(&text).with_context(|| format!("{}: not a report", p.display()))
         })
         .collect::<anyhow::Result<_>>()?;
+    if let Some(dir) = &args.scenarios_out {
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        for &c in &levels {
+            let s = at_concurrency(&scenario, c, args.rounds);
+            let path = dir.join(format!("scenario-c{c}.yaml"));
+            // JSON is YAML: the scenario loader reads it back as written.
+            std::fs::write(&path, serde_json::to_string_pretty(&s)?)
+                .with_context(|| path.display().to_string())?;
+        }
+    }
     let mut preds = Vec::new();
     for &c in &levels {
         let p = predict(&scenario, c, args.rounds, args.seed)?;
