@@ -176,16 +176,32 @@ pub fn check(s: &Scenario, run: &SimRun) -> Result<(), String> {
         // with one that did: its encoder output is one cache entry (EC dedupe by mm_hash),
         // and the twin waits on the faulty request's fill of it, so it may time out too.
         let planned = s.expand().map_err(|e| e.to_string())?;
-        let items = |id: &str| {
-            planned.iter().find(|p| p.id == id).and_then(|p| {
-                let sp = &p.spec;
-                (!(sp.images.is_empty() && sp.audios.is_empty() && sp.videos.is_empty())).then(
-                    || {
-                        serde_json::to_string(&(sp.seed, &sp.images, &sp.audios, &sp.videos))
-                            .unwrap_or_default()
-                    },
-                )
-            })
+        // Every multimodal item of a request, as (seed, kind, shape): one cache entry each.
+        let items = |id: &str| -> std::collections::BTreeSet<String> {
+            planned
+                .iter()
+                .find(|p| p.id == id)
+                .map(|p| {
+                    let sp = &p.spec;
+                    let one = |kind: &str, v: serde_json::Result<String>| {
+                        format!("{} {kind} {}", sp.seed, v.unwrap_or_default())
+                    };
+                    sp.images
+                        .iter()
+                        .map(|x| one("image", serde_json::to_string(x)))
+                        .chain(
+                            sp.audios
+                                .iter()
+                                .map(|x| one("audio", serde_json::to_string(x))),
+                        )
+                        .chain(
+                            sp.videos
+                                .iter()
+                                .map(|x| one("video", serde_json::to_string(x))),
+                        )
+                        .collect()
+                })
+                .unwrap_or_default()
         };
         let struck = |id: &str| {
             f.fired.iter().any(|x| x.request == id) || f.targets.iter().any(|t| t.request == id)
@@ -194,11 +210,11 @@ pub fn check(s: &Scenario, run: &SimRun) -> Result<(), String> {
             if struck(&q.id) || q.ok {
                 continue;
             }
-            let twin = items(&q.id).is_some_and(|mine| {
-                r.requests
-                    .iter()
-                    .any(|o| struck(&o.id) && items(&o.id).as_ref() == Some(&mine))
-            });
+            let mine = items(&q.id);
+            let twin = r
+                .requests
+                .iter()
+                .any(|o| struck(&o.id) && !items(&o.id).is_disjoint(&mine));
             let timed_out = q
                 .failure
                 .as_ref()
