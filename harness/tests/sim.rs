@@ -1,7 +1,7 @@
 //! The pipeline on the `sim` transport (issue 16): the fault matrix (every hop x every
 //! transport fault kind) on a simulated fabric, run twice; each cell must end as the real
 //! transports' matrix says (`faults.rs`), and the two runs' event traces must be identical,
-//! byte for byte. A failing cell prints its seed and the first line where the traces part.
+//! byte for byte, and so must their reports. A failing cell prints its seed and the first line where the traces part.
 
 use omnirig_fixtures::{PayloadKind, RequestSpec};
 use omnirig_harness::faults::{AnyFault, FaultSpec};
@@ -95,6 +95,11 @@ fn fault_matrix_on_sim_is_deterministic(
         );
     }
     assert_eq!(a.digest, b.digest);
+    // The report too, byte for byte: its times are modelled, its names and epochs seeded.
+    assert!(
+        serde_json::to_string(&a.report).unwrap() == serde_json::to_string(&b.report).unwrap(),
+        "seed {seed}, {kind:?} at {hop}: the reports differ"
+    );
     let r = &a.report;
     assert!(r.summary.pools_clean, "seed {seed}: pools not back to zero");
     let f = r.faults.as_ref().unwrap();
