@@ -24,9 +24,13 @@ pub struct ExploreArgs {
     /// Skip the second run of each seed (the replay check).
     #[arg(long)]
     no_replay: bool,
-    /// Print the drawn scenario of each seed (YAML) before running it.
+    /// Print the drawn scenario of each seed (JSON) before running it.
     #[arg(long)]
     show: bool,
+    /// Start no new seed after this many minutes (run "for a while": a large --seeds and a
+    /// time budget).
+    #[arg(long)]
+    minutes: Option<f64>,
 }
 
 /// splitmix64 over (seed, i): every draw of a seed its own number.
@@ -256,7 +260,15 @@ pub fn run(args: ExploreArgs) -> anyhow::Result<()> {
     };
     let t0 = std::time::Instant::now();
     let (mut failed, mut requests, mut fired, mut modelled) = (Vec::new(), 0, 0, 0.0);
+    let mut tried = 0;
     for seed in args.start..args.start.saturating_add(args.seeds) {
+        if args
+            .minutes
+            .is_some_and(|m| t0.elapsed().as_secs_f64() > m * 60.0)
+        {
+            break;
+        }
+        tried += 1;
         let s = scenario_of(seed, &fabric);
         if args.show {
             println!("--- seed {seed}\n{}", serde_json::to_string(&s)?);
@@ -305,8 +317,7 @@ pub fn run(args: ExploreArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "explored {} seeds: {requests} requests, {fired} faults fired, {:.2} s modelled in {:.1} s; {} failing{}",
-        args.seeds,
+        "explored {tried} seeds: {requests} requests, {fired} faults fired, {:.2} s modelled in {:.1} s; {} failing{}",
         modelled,
         t0.elapsed().as_secs_f64(),
         failed.len(),
