@@ -14,7 +14,6 @@ use std::sync::Arc;
 
 use omnirig_transports::transport::sim::QueueUse;
 use omnirig_transports::{Fabric, FabricSpec, FaultKind, TransportKind};
-use serde::Serialize;
 
 use crate::error::{HarnessError, Result};
 use crate::faults::AnyFault;
@@ -244,14 +243,6 @@ pub fn first_difference(a: &[String], b: &[String]) -> Option<(usize, String, St
             )
         })
     })
-}
-
-/// A summary of a run's fabric for people: the queues that carried bytes.
-#[derive(Debug, Clone, Serialize)]
-pub struct FabricUse {
-    pub queue: String,
-    pub bytes: u64,
-    pub utilisation: f64,
 }
 
 /// Reads a fabric file (YAML, the same shape as a scenario's `fabric:` section), validated.
