@@ -423,7 +423,9 @@ impl Fabric {
     }
 
     /// The process-wide fabric engines get from `SimConfig::default()`: one node, no NIC, a
-    /// host-memcpy local path. Its clock starts at its first use.
+    /// host-memcpy local path. Its clock starts at its first use and its queues are shared by
+    /// every runtime of the process, so it suits the wall clock; a run under a paused clock
+    /// makes a fabric of its own (as `omnirig_harness::sim::run` does).
     pub fn process_default() -> Arc<Fabric> {
         static F: OnceLock<Arc<Fabric>> = OnceLock::new();
         F.get_or_init(|| {
