@@ -31,6 +31,12 @@ enum Cmd {
     Fixtures(cli::fixtures::FixturesCmd),
     /// Run the five-stage pipeline on a scenario and write a report.
     Run(cli::run::RunArgs),
+    /// Seeded search on the simulated fabric: random fault schedules and arrival patterns,
+    /// the invariants checked after each run; prints any failing seed.
+    Explore(cli::explore::ExploreArgs),
+    /// Predicted per-hop and end-to-end latency and throughput for a fabric, per concurrency
+    /// (the simulated fabric's scale model), optionally against measured runs.
+    Simulate(cli::simulate::SimulateArgs),
     /// Plots (PNG and SVG) from benchmark results and run reports; markdown tables of the results.
     Report(cli::report::ReportArgs),
     /// A metadata store for clusters, speaking Mooncake's HTTP metadata protocol
@@ -70,6 +76,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Bench(cmd) => cli::bench::run(cmd),
         Cmd::Fixtures(cmd) => cli::fixtures::run(cmd),
         Cmd::Run(args) => cli::run::run(args),
+        Cmd::Explore(args) => cli::explore::run(args),
+        Cmd::Simulate(args) => cli::simulate::run(args),
         Cmd::Report(args) => cli::report::run(args),
         Cmd::Stage(args) => cli::stage::run(args),
         Cmd::MetadataServer(args) => cli::metadata::run(args),

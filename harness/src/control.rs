@@ -392,6 +392,12 @@ impl Mailboxes {
 enum Out {
     Mem(Arc<Mailboxes>),
     Tcp(mpsc::UnboundedSender<Msg>),
+    /// Across a simulated fabric: each message reserves its route like a slice and a
+    /// delivery task hands it over when it lands, in sending order.
+    Sim(
+        omnirig_transports::transport::sim::Channel,
+        mpsc::UnboundedSender<(tokio::time::Instant, Msg)>,
+    ),
 }
 
 /// How long a TCP link's `recv` keeps polling before it parks. A reply on 127.0.0.1 comes
@@ -437,6 +443,50 @@ impl Link {
                 spin: Duration::ZERO,
             },
         )
+    }
+
+    /// Two in-process ends whose messages cross `fabric` from `a` to `b` and back (`node` or
+    /// `node/nic` each), paying its latency and queueing on its NICs and links like the
+    /// tensor bytes do. Must be called inside a tokio runtime (it starts the delivery tasks).
+    pub fn pair_over(
+        name: &str,
+        fabric: &Arc<omnirig_transports::Fabric>,
+        a: &str,
+        b: &str,
+    ) -> Result<(Link, Link)> {
+        use omnirig_transports::transport::sim::Channel;
+        let setup = |e: omnirig_transports::Error| HarnessError::Setup(format!("{name}: {e}"));
+        let (ma, mb) = (
+            Arc::new(Mailboxes::default()),
+            Arc::new(Mailboxes::default()),
+        );
+        let out = |to: &Arc<Mailboxes>, ch: Channel| {
+            let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Msg)>();
+            let to = to.clone();
+            tokio::spawn(async move {
+                while let Some((at, msg)) = rx.recv().await {
+                    tokio::time::sleep_until(at).await;
+                    to.deliver(msg);
+                }
+            });
+            Out::Sim(ch, tx)
+        };
+        let ab = Channel::new(fabric, a, b, &format!("{name}>")).map_err(setup)?;
+        let ba = Channel::new(fabric, b, a, &format!("{name}<")).map_err(setup)?;
+        Ok((
+            Link {
+                name: name.into(),
+                out: out(&mb, ab),
+                inbox: ma.clone(),
+                spin: Duration::ZERO,
+            },
+            Link {
+                name: name.into(),
+                out: out(&ma, ba),
+                inbox: mb,
+                spin: Duration::ZERO,
+            },
+        ))
     }
 
     /// A link over a connected TCP stream: a writer and a reader task.
@@ -515,6 +565,15 @@ impl Link {
                 channel: self.name.to_string(),
                 reason: "link closed".into(),
             }),
+            Out::Sim(ch, tx) => {
+                // Its size on the wire is its TCP frame's: length prefix and msgpack body.
+                let bytes = 4 + msg.encode().map_or(0, |b| b.len() as u64);
+                let at = ch.send(bytes, &format!("{} {}", msg.name(), msg.key()));
+                tx.send((at, msg)).map_err(|_| HarnessError::Control {
+                    channel: self.name.to_string(),
+                    reason: "link closed".into(),
+                })
+            }
         }
     }
 

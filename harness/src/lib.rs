@@ -35,6 +35,7 @@ pub mod protocol;
 pub mod report;
 pub mod runner;
 pub mod scenario;
+pub mod sim;
 pub mod stage;
 
 pub use error::{HarnessError, Result};

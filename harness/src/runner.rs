@@ -6,11 +6,13 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
+// tokio's clock: the wall clock, or virtual time when a sim run pauses it.
+use tokio::time::Instant;
 
 use omnirig_fixtures::{PayloadKind, RequestPlan, RequestSpec, Stage};
 use omnirig_transports::{
-    Engine, EngineConfig, FaultInjector, InProcessStore, MetadataStore, TransportDecorator,
+    Engine, EngineConfig, Fabric, FaultInjector, InProcessStore, MetadataStore, SimConfig,
+    TransportDecorator, TransportKind,
 };
 
 use crate::control::Link;
@@ -28,6 +30,8 @@ pub struct Runner {
     progress: bool,
     decorators: Decorators,
     store: Option<Arc<dyn MetadataStore>>,
+    /// The fabric sim hops run on (default: the scenario's, else the built-in one).
+    fabric: Option<Arc<Fabric>>,
 }
 
 impl std::fmt::Debug for Runner {
@@ -85,13 +89,40 @@ pub async fn local_stages(
     decorators: &Decorators,
     store: Option<Arc<dyn MetadataStore>>,
 ) -> Result<Vec<StageWorker>> {
+    local_stages_on(scenario, plans, decorators, store, None).await
+}
+
+/// Where `stage` sits on `fabric`: its placement, else the fabric's first node.
+fn place(fabric: &Fabric, stage: Stage) -> String {
+    fabric
+        .spec()
+        .placement
+        .get(stage.as_str())
+        .cloned()
+        .unwrap_or_else(|| fabric.spec().nodes[0].name.clone())
+}
+
+/// As [`local_stages`]; hops over the sim transport run on `fabric` (their engines placed
+/// where the fabric puts their stages, their control messages crossing it too).
+pub async fn local_stages_on(
+    scenario: &Scenario,
+    plans: &[&RequestPlan],
+    decorators: &Decorators,
+    store: Option<Arc<dyn MetadataStore>>,
+    fabric: Option<&Arc<Fabric>>,
+) -> Result<Vec<StageWorker>> {
     let sizes = scenario.pool_sizes(plans);
     let store = store.unwrap_or_else(|| InProcessStore::new() as Arc<dyn MetadataStore>);
-    let tag = format!(
-        "r{}x{}",
-        std::process::id(),
-        RUNS.fetch_add(1, Ordering::Relaxed)
-    );
+    // A simulated run's engines are alone on their fabric and store, and their names travel
+    // in its control messages (whose sizes the model charges): the same name every run.
+    let tag = match fabric {
+        Some(_) => "sim".to_string(),
+        None => format!(
+            "r{}x{}",
+            std::process::id(),
+            RUNS.fetch_add(1, Ordering::Relaxed)
+        ),
+    };
     let mut ends: BTreeMap<&str, (HopEnd, HopEnd)> = BTreeMap::new();
     for kind in PayloadKind::ALL {
         let transport = scenario.transport_for(kind);
@@ -99,12 +130,26 @@ pub async fn local_stages(
             EngineConfig::for_kind(format!("{tag}-{kind}-{side}"), transport).store(store.clone())
         };
         let mut tx_cfg = mk("tx");
+        let mut rx_cfg = mk("rx");
+        let sim = match (transport, fabric) {
+            (TransportKind::Sim, Some(f)) => {
+                let (src, dst) = (kind.source(), kind.target());
+                let (ps, pd) = (place(f, src), place(f, dst));
+                tx_cfg = tx_cfg.with(SimConfig::on(f, &ps, src.as_str()));
+                rx_cfg = rx_cfg.with(SimConfig::on(f, &pd, dst.as_str()));
+                Some((f, ps, pd))
+            }
+            _ => None,
+        };
         if let Some(d) = decorators.get(kind.as_str()) {
             tx_cfg = tx_cfg.decorator(d.clone());
         }
         let tx = Arc::new(Engine::new(tx_cfg).await?);
-        let rx = Arc::new(Engine::new(mk("rx")).await?);
-        let (a, b) = Link::pair(kind.as_str());
+        let rx = Arc::new(Engine::new(rx_cfg).await?);
+        let (a, b) = match sim {
+            Some((f, ps, pd)) => Link::pair_over(kind.as_str(), f, &ps, &pd)?,
+            None => Link::pair(kind.as_str()),
+        };
         ends.insert(
             kind.as_str(),
             (
@@ -146,7 +191,15 @@ impl Runner {
             progress: false,
             decorators: Decorators::new(),
             store: None,
+            fabric: None,
         }
+    }
+
+    /// The fabric the scenario's sim hops run on (in-process runs). Its clock starts when
+    /// the run does; read its trace and queue usage after the run.
+    pub fn fabric(mut self, fabric: Arc<Fabric>) -> Self {
+        self.fabric = Some(fabric);
+        self
     }
 
     /// Wraps the transports of `hop`'s sending engine (in-process runs only),
@@ -215,10 +268,31 @@ impl Runner {
             decorators.insert(hop, d);
             injectors.push((hop, inj));
         }
+        let uses_sim = PayloadKind::ALL
+            .iter()
+            .any(|&k| self.scenario.transport_for(k) == TransportKind::Sim);
+        let fabric = match (&self.fabric, uses_sim) {
+            (Some(f), _) => Some(f.clone()),
+            (None, true) => Some(
+                Fabric::new(self.scenario.fabric.clone().unwrap_or_default())
+                    .map_err(|e| HarnessError::Setup(format!("fabric: {e}")))?,
+            ),
+            (None, false) => None,
+        };
+        if let Some(f) = &fabric {
+            f.start_clock();
+        }
         let (stages, mode) = match &self.launcher {
             None => (
                 Stages::Local(Arc::new(
-                    local_stages(&self.scenario, &plans, &decorators, self.store.clone()).await?,
+                    local_stages_on(
+                        &self.scenario,
+                        &plans,
+                        &decorators,
+                        self.store.clone(),
+                        fabric.as_ref(),
+                    )
+                    .await?,
                 )),
                 "in_process",
             ),

@@ -140,6 +140,11 @@ pub struct Scenario {
     /// the run times the data plane, not tensor generation. Every byte is still verified.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pregenerate: bool,
+    /// The simulated fabric hops over the `sim` transport run on: nodes, NICs, links and
+    /// where each stage sits (see `docs/sim.md`); default: one node per stage behind a
+    /// 100 Gb/s switch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric: Option<omnirig_transports::FabricSpec>,
 }
 
 /// A stage process to kill mid-run.
@@ -322,6 +327,7 @@ impl Scenario {
             random_faults: None,
             kill_stage: None,
             pregenerate: false,
+            fabric: None,
         }
     }
 
@@ -439,6 +445,13 @@ impl Scenario {
                         MAX_TIMEOUT_S * 1e3
                     ),
                 ));
+            }
+        }
+        if let Some(f) = &self.fabric {
+            f.validate()
+                .map_err(|e| bad(source, e.detail().to_string()))?;
+            for stage in f.placement.keys() {
+                Stage::parse(stage, "fabric.placement").map_err(|e| bad(source, e.to_string()))?;
             }
         }
         let requests = self.expand().map_err(|e| within(source, e))?;

@@ -261,6 +261,13 @@ pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Now on tokio's clock, as the protocol machines' std instant: the wall clock normally,
+/// virtual time under a paused runtime (the sim transport's runs), so deadlines and timings
+/// follow the simulated fabric.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -619,7 +626,7 @@ impl StageWorker {
     /// Runs this stage's part of one request. Never panics on bad input: every
     /// failure ends up in the outcome's `error`, and what the request held is released.
     pub async fn process(&self, request: &str, spec: &RequestSpec) -> StageOutcome {
-        let t0 = Instant::now();
+        let t0 = now();
         let mut out = StageOutcome {
             stage: self.cfg.stage.as_str().into(),
             ..Default::default()
@@ -657,7 +664,7 @@ impl StageWorker {
         {
             side.link.forget(request);
         }
-        out.total_ms = ms(t0.elapsed());
+        out.total_ms = ms(now().saturating_duration_since(t0));
         out
     }
 
@@ -692,7 +699,10 @@ impl StageWorker {
         // Nobody waits past the request timeout (downstream stages for this stage's offer,
         // counted from when they started the request as this one did): a modelled compute
         // that would end later fails now, instead of keeping the run alive for nothing.
-        let budget = self.cfg.request_timeout.saturating_sub(started.elapsed());
+        let budget = self
+            .cfg
+            .request_timeout
+            .saturating_sub(now().saturating_duration_since(started));
         if c > budget {
             let e = HarnessError::Deadline {
                 stage: self.cfg.stage.as_str().into(),
@@ -711,12 +721,12 @@ impl StageWorker {
             self.abort_outbound(rid, plan, &e).await;
             return Err(e);
         }
-        let t = Instant::now();
+        let t = now();
         out.compute_start_ms = Some(ms(t.duration_since(started)));
         if !c.is_zero() {
             tokio::time::sleep(c).await;
         }
-        out.compute_ms = ms(t.elapsed());
+        out.compute_ms = ms(now().saturating_duration_since(t));
         if let (Some(side), Some(hop)) = (&self.outbound, self.stub.outbound(plan)) {
             out.sent = Some(self.send(side, plan, hop, rid, started).await?);
         }
@@ -839,12 +849,15 @@ impl StageWorker {
                     return Err(refuse(hop_err(None, &e)));
                 }
             }
-            Some(Instant::now())
+            Some(now())
         };
         let wait = Wait {
             offered,
             // A credit waits for the offer as long as the request may take.
-            offer_timeout: self.cfg.request_timeout.saturating_sub(started.elapsed()),
+            offer_timeout: self
+                .cfg
+                .request_timeout
+                .saturating_sub(now().saturating_duration_since(started)),
         };
         let mut rec = Received {
             hop: hop.payload_kind.as_str().into(),
@@ -887,7 +900,7 @@ impl StageWorker {
                 Box::new(held)
             }
         };
-        let end = Instant::now();
+        let end = now();
         // A handoff that ended well had its offer.
         let t0 = times.offered.unwrap_or(end);
         rec.start_ms = Some(ms(t0.duration_since(started)));
@@ -927,7 +940,7 @@ impl StageWorker {
                     request: rid.into(),
                 },
             ),
-            None => m.credit(Instant::now(), wait.offer_timeout),
+            None => m.credit(now(), wait.offer_timeout),
         }
         loop {
             while let Some(action) = m.poll_action() {
@@ -938,7 +951,7 @@ impl StageWorker {
                             .await
                         {
                             Ok((told, offsets)) => {
-                                m.granted(Instant::now(), held.grants.clone(), told, offsets)
+                                m.granted(now(), held.grants.clone(), told, offsets)
                             }
                             Err(e) => m.reserve_failed(vec![], e),
                         }
@@ -948,7 +961,7 @@ impl StageWorker {
                     }
                     ConsumerAction::Revoke(grants) => {
                         revoke_all(engine, &grants);
-                        m.fenced(Instant::now());
+                        m.fenced(now());
                     }
                     ConsumerAction::Land {
                         index,
@@ -957,7 +970,7 @@ impl StageWorker {
                     } => {
                         if let Err(e) = pool.buffer.write(offset, &bytes) {
                             let e = plan_err(&hop.tensors[index].name, &e);
-                            m.verified(Instant::now(), index, Err(e));
+                            m.verified(now(), index, Err(e));
                         }
                     }
                     ConsumerAction::Verify {
@@ -975,7 +988,7 @@ impl StageWorker {
                             Ok(Err(e)) => Err(plan_err(&tensor, &e)),
                             Err(e) => Err(plan_err(&tensor, &e)),
                         };
-                        m.verified(Instant::now(), index, found);
+                        m.verified(now(), index, found);
                     }
                     ConsumerAction::Done => return Ok((held, m.times())),
                     ConsumerAction::Failed(e) => return Err(e),
@@ -983,12 +996,12 @@ impl StageWorker {
             }
             let until = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => match m.poll_timeout() {
-                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    Some(d) if now() >= d => m.handle_timeout(now()),
                     _ => m.link_failed(e),
                 },
             }
@@ -1037,7 +1050,7 @@ impl StageWorker {
                     request: rid.into(),
                 },
             ),
-            None => m.credit(Instant::now(), wait.offer_timeout),
+            None => m.credit(now(), wait.offer_timeout),
         }
         loop {
             while let Some(action) = m.poll_action() {
@@ -1088,7 +1101,7 @@ impl StageWorker {
                             }
                         }
                         match failed {
-                            None => m.granted(Instant::now(), held.grants.clone(), told),
+                            None => m.granted(now(), held.grants.clone(), told),
                             Some(e) => m.reserve_failed(vec![], e),
                         }
                     }
@@ -1097,7 +1110,7 @@ impl StageWorker {
                     }
                     KvConsumerAction::Revoke(grants) => {
                         revoke_all(engine, &grants);
-                        m.fenced(Instant::now());
+                        m.fenced(now());
                     }
                     KvConsumerAction::Verify => {
                         // Every block the stage will use, reused ones included.
@@ -1129,7 +1142,7 @@ impl StageWorker {
                                 pool.commit(b, block_hash(plan.seed, i as u64));
                             }
                         }
-                        m.verified(Instant::now(), found);
+                        m.verified(now(), found);
                     }
                     KvConsumerAction::Done => {
                         let (first, moved) = (m.first_block(), m.tail().len());
@@ -1140,12 +1153,12 @@ impl StageWorker {
             }
             let until = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => match m.poll_timeout() {
-                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    Some(d) if now() >= d => m.handle_timeout(now()),
                     _ => m.link_failed(e),
                 },
             }
@@ -1236,7 +1249,7 @@ impl StageWorker {
                     request: rid.into(),
                 },
             ),
-            None => m.credit(Instant::now(), wait.offer_timeout),
+            None => m.credit(now(), wait.offer_timeout),
         }
         loop {
             while let Some(action) = m.poll_action() {
@@ -1246,7 +1259,7 @@ impl StageWorker {
                             .reserve_ec(store, engine, plan, hop, rid, within, &mut held)
                             .await
                         {
-                            Ok(entries) => m.granted(Instant::now(), held.grants.clone(), entries),
+                            Ok(entries) => m.granted(now(), held.grants.clone(), entries),
                             Err(e) => m.reserve_failed(vec![], e),
                         }
                     }
@@ -1254,7 +1267,7 @@ impl StageWorker {
                     EcConsumerAction::Send(msg) => consumer_send(link, engine, msg, None, &[])?,
                     EcConsumerAction::Revoke(grants) => {
                         revoke_all(engine, &grants);
-                        m.fenced(Instant::now());
+                        m.fenced(now());
                     }
                     EcConsumerAction::Verify {
                         index,
@@ -1272,7 +1285,7 @@ impl StageWorker {
                             Ok(Err(e)) => Err(hop_err(&tensor, &e)),
                             Err(e) => Err(hop_err(&tensor, &e)),
                         };
-                        m.verified(Instant::now(), index, found);
+                        m.verified(now(), index, found);
                     }
                     EcConsumerAction::Cache { mm_hash } => {
                         held.reserved.retain(|r| r.0 != mm_hash);
@@ -1296,12 +1309,12 @@ impl StageWorker {
             }
             let until = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => match m.poll_timeout() {
-                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    Some(d) if now() >= d => m.handle_timeout(now()),
                     _ => m.link_failed(e),
                 },
             }
@@ -1453,7 +1466,7 @@ impl StageWorker {
         };
         sent.stage_ms = stage_ms;
         let mut m = EcProducer::new(
-            Instant::now(),
+            now(),
             hop.payload_kind,
             rid,
             hop.tensors.clone(),
@@ -1475,7 +1488,8 @@ impl StageWorker {
                     EcProducerAction::Done => {
                         // Everything was cached downstream: an empty transfer, now.
                         if sent.transfer_start_ms.is_none() {
-                            sent.transfer_start_ms = Some(ms(started.elapsed()));
+                            sent.transfer_start_ms =
+                                Some(ms(now().saturating_duration_since(started)));
                         }
                         return Ok(sent);
                     }
@@ -1515,13 +1529,13 @@ impl StageWorker {
                 if m.state() == EcProducerState::Writing {
                     sent.requests = requests.len();
                     sent.tensors = indices.len();
-                    let t = Instant::now();
+                    let t = now();
                     sent.transfer_start_ms = Some(ms(t.duration_since(started)));
                     let r = engine.transfer(requests, Some(self.timeout())).await;
-                    sent.transfer_ms = ms(t.elapsed());
+                    sent.transfer_ms = ms(now().saturating_duration_since(t));
                     match r {
                         Ok(_) => {
-                            let now = Instant::now();
+                            let now = now();
                             indices.iter().for_each(|&i| m.write_completed(now, i))
                         }
                         Err(e) => {
@@ -1536,12 +1550,12 @@ impl StageWorker {
             }
             let until = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => match m.poll_timeout() {
-                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    Some(d) if now() >= d => m.handle_timeout(now()),
                     _ => m.link_failed(e),
                 },
             }
@@ -1628,7 +1642,7 @@ impl StageWorker {
             return Err(e);
         }
         let mut m = KvProducer::new(
-            Instant::now(),
+            now(),
             hop.payload_kind,
             rid,
             held.blocks.clone(),
@@ -1662,7 +1676,7 @@ impl StageWorker {
             }
             if !writes.is_empty() {
                 // Every run contiguous on both sides is one request, all in one batch.
-                let ts = Instant::now();
+                let ts = now();
                 let mut requests = Vec::with_capacity(writes.len());
                 let mut indices = Vec::with_capacity(writes.len());
                 let mut names = Vec::with_capacity(writes.len());
@@ -1681,15 +1695,15 @@ impl StageWorker {
                     names.push(name);
                     sent.bytes += len;
                 }
-                sent.stage_ms = ms(ts.elapsed());
+                sent.stage_ms = ms(now().saturating_duration_since(ts));
                 sent.requests = requests.len();
-                let t = Instant::now();
+                let t = now();
                 sent.transfer_start_ms = Some(ms(t.duration_since(started)));
                 let r = engine.transfer(requests, Some(self.timeout())).await;
-                sent.transfer_ms = ms(t.elapsed());
+                sent.transfer_ms = ms(now().saturating_duration_since(t));
                 match r {
                     Ok(_) => {
-                        let now = Instant::now();
+                        let now = now();
                         indices.iter().for_each(|&i| m.write_completed(now, i))
                     }
                     Err(e) => {
@@ -1703,12 +1717,12 @@ impl StageWorker {
             }
             let until = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => match m.poll_timeout() {
-                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    Some(d) if now() >= d => m.handle_timeout(now()),
                     _ => m.link_failed(e),
                 },
             }
@@ -1740,7 +1754,7 @@ impl StageWorker {
         };
         sent.stage_ms = stage_ms;
         let mut m = PacketProducer::new(
-            Instant::now(),
+            now(),
             hop.payload_kind,
             rid,
             hop.tensors.clone(),
@@ -1771,7 +1785,7 @@ impl StageWorker {
                     ProducerAction::Write { index, grant, .. } => writes.push((index, grant)),
                     ProducerAction::Inline => {
                         // The packet carries the tensors, in its layout.
-                        let t = Instant::now();
+                        let t = now();
                         sent.transfer_start_ms = Some(ms(t.duration_since(started)));
                         let (at, span) = packet_layout(hop.tensors.iter().map(|t| &t.byte_length));
                         let mut bytes = vec![0u8; span as usize];
@@ -1783,7 +1797,7 @@ impl StageWorker {
                             Ok(()) => {
                                 sent.tensors = staged.len();
                                 sent.bytes = staged.iter().map(|s| s.len).sum();
-                                m.inlined(Instant::now(), bytes);
+                                m.inlined(now(), bytes);
                             }
                             Err(e) => m.inline_failed(HarnessError::handoff(
                                 hop.payload_kind,
@@ -1792,7 +1806,7 @@ impl StageWorker {
                                 &e,
                             )),
                         }
-                        sent.transfer_ms = ms(t.elapsed());
+                        sent.transfer_ms = ms(now().saturating_duration_since(t));
                     }
                     ProducerAction::Done => return Ok(sent),
                     ProducerAction::Failed(e) => return Err(e),
@@ -1813,13 +1827,13 @@ impl StageWorker {
                 }
                 sent.requests = requests.len();
                 sent.tensors = indices.len();
-                let t = Instant::now();
+                let t = now();
                 sent.transfer_start_ms = Some(ms(t.duration_since(started)));
                 let r = engine.transfer(requests, Some(self.timeout())).await;
-                sent.transfer_ms = ms(t.elapsed());
+                sent.transfer_ms = ms(now().saturating_duration_since(t));
                 match r {
                     Ok(_) => {
-                        let now = Instant::now();
+                        let now = now();
                         indices.iter().for_each(|&i| m.write_completed(now, i))
                     }
                     Err(e) => {
@@ -1833,12 +1847,12 @@ impl StageWorker {
             }
             let until = m
                 .poll_timeout()
-                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|d| d.saturating_duration_since(now()))
                 .unwrap_or_else(|| self.timeout());
             match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(Instant::now(), msg),
+                Ok(msg) => m.handle_msg(now(), msg),
                 Err(e) => match m.poll_timeout() {
-                    Some(d) if Instant::now() >= d => m.handle_timeout(Instant::now()),
+                    Some(d) if now() >= d => m.handle_timeout(now()),
                     _ => m.link_failed(e),
                 },
             }
@@ -1854,12 +1868,12 @@ impl StageWorker {
         hop: &Hop,
         rid: &str,
     ) -> std::result::Result<(Vec<Staged>, f64), (Vec<String>, HarnessError)> {
-        let ts = Instant::now();
+        let ts = now();
         let mut staged = Vec::with_capacity(hop.tensors.len());
         for t in &hop.tensors {
             staged.push(self.stage_tensor(pool, plan, hop, rid, &t.name).await?);
         }
-        Ok((staged, ms(ts.elapsed())))
+        Ok((staged, ms(now().saturating_duration_since(ts))))
     }
 
     /// Staging an output failed before its offer: tell the consumer (waiting for the

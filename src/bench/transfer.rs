@@ -56,6 +56,10 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
         TransportKind::Cuda => {
             bail!("this build has no cuda transport (build with `--features cuda`)")
         }
+        TransportKind::Sim => anyhow::bail!(
+            "bench transfer measures real transports; the sim transport's times are the model's \
+             (omnirig simulate)"
+        ),
     };
     Ok(Results {
         suite: "transfer".into(),

@@ -3,8 +3,10 @@ pub mod agent;
 pub mod bench;
 #[cfg(feature = "hil")]
 pub mod evidence;
+pub mod explore;
 pub mod fixtures;
 pub mod metadata;
 pub mod report;
 pub mod run;
+pub mod simulate;
 pub mod stage;

@@ -27,6 +27,16 @@ pub struct RunArgs {
     /// Requests in flight at most, overriding the scenario.
     #[arg(long)]
     concurrency: Option<usize>,
+    /// `--transport sim`: the seed of the fabric's jitter, the random faults and the arrivals;
+    /// the same seed replays the run exactly (see docs/sim.md).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// `--transport sim`: the fabric (YAML), overriding the scenario's `fabric:` section.
+    #[arg(long)]
+    fabric: Option<PathBuf>,
+    /// `--transport sim`: write the run's event trace here, one event per line.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// No per-request progress lines on stderr.
     #[arg(long, short)]
     quiet: bool,
@@ -59,6 +69,22 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // Before the run, not after it: a report that cannot be written fails now.
     if let Some(dir) = &args.report {
         check_report_dir(dir)?;
+    }
+    let sim = scenario.transport == omnirig_transports::TransportKind::Sim
+        && omnirig_fixtures::PayloadKind::ALL
+            .iter()
+            .all(|&k| scenario.transport_for(k) == omnirig_transports::TransportKind::Sim);
+    if !sim && (args.seed.is_some() || args.fabric.is_some() || args.trace.is_some()) {
+        anyhow::bail!("--seed, --fabric and --trace need every hop on sim (--transport sim)");
+    }
+    if sim {
+        if args.processes {
+            anyhow::bail!("--transport sim runs in one process; drop --processes");
+        }
+        if let Some(f) = &args.fabric {
+            scenario.fabric = Some(omnirig_harness::sim::fabric_from_path(f)?);
+        }
+        return run_sim(&scenario, &args);
     }
     let mut runner = Runner::new(scenario).progress(!args.quiet);
     if args.processes {
@@ -103,6 +129,50 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// A simulated run: the report in modelled time, how fast it ran, its trace's digest.
+fn run_sim(scenario: &Scenario, args: &RunArgs) -> anyhow::Result<()> {
+    let run = omnirig_harness::sim::run(scenario, args.seed)?;
+    let report = &run.report;
+    print!("{}", report.summary_text());
+    println!(
+        "sim: {:.3} s modelled in {:.3} s real ({:.1}x real time), seed {}, trace {} ({} events)",
+        run.virtual_s,
+        run.real_s,
+        run.virtual_s / run.real_s.max(1e-9),
+        scenario_seed(scenario, args.seed),
+        run.digest,
+        run.trace.len()
+    );
+    for (q, u) in run.utilisation().iter().take(4) {
+        println!("sim: {q} busy {:.1}%", u * 100.0);
+    }
+    if let Some(path) = &args.trace {
+        let mut text = run.trace.join("\n");
+        text.push('\n');
+        std::fs::write(path, text).with_context(|| format!("--trace {}", path.display()))?;
+        println!("trace: {}", path.display());
+    }
+    if let Some(dir) = &args.report {
+        let path = report.write(dir)?;
+        println!("report: {}", path.display());
+        let files = crate::report::write_run_site(report, dir)
+            .with_context(|| format!("report page in {}", dir.display()))?;
+        println!(
+            "page: {} ({} files)",
+            dir.join("index.html").display(),
+            files.len()
+        );
+    }
+    if !report.passed() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn scenario_seed(s: &Scenario, seed: Option<u64>) -> u64 {
+    seed.unwrap_or_else(|| s.fabric.as_ref().map_or(0, |f| f.seed))
 }
 
 /// `--report DIR` must be a directory this process can create files in (created if missing).

@@ -24,7 +24,7 @@ const LEGEND_PX: u32 = 15;
 const LEGEND_ROW: u32 = 26;
 const SWATCH: i32 = 40;
 
-fn register_font() {
+pub(crate) fn register_font() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         for style in [FontStyle::Normal, FontStyle::Bold] {

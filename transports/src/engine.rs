@@ -346,7 +346,32 @@ impl Drop for OwnedLease {
     }
 }
 
+thread_local! {
+    /// A seeded sequence replacing the OS RNG on this thread (see [`seed_thread_randomness`]).
+    static SEEDED: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes the grant tokens and instance ids of engines used on this thread a sequence drawn
+/// from `seed` (`None`: the OS RNG again). For simulated runs only: their engines all live
+/// on one thread and a run must repeat exactly, message sizes included. Never in a real run:
+/// unguessable tokens are what keeps a peer from forging grants.
+pub fn seed_thread_randomness(seed: Option<u64>) {
+    SEEDED.with(|c| c.set(seed));
+}
+
 fn random_u64() -> u64 {
+    if let Some(x) = SEEDED.with(|c| {
+        c.get().map(|s| {
+            let s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            c.set(Some(s));
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        })
+    }) {
+        return x;
+    }
     // The OS RNG; if it fails, the process cannot make grants safe, so say so loudly.
     getrandom::u64().expect("the operating system's random number generator failed")
 }
@@ -1144,10 +1169,14 @@ impl Engine {
         let drivers = futures_util::future::join_all(rest.into_iter().map(|w| {
             run_task(self.inner.clone(), batch.shared.clone(), w, false).instrument(span.clone())
         }));
+        // Biased: an unbiased select polls its branches in a random order, and which one runs
+        // first decides whether more slices start after a failure; a simulated run must
+        // repeat exactly (docs/sim.md).
         tokio::select! {
-            _ = drivers => batch.wait_all().await,
+            biased;
             // The first failure ends the wait; dropping `drivers` cancels the rest.
             r = batch.wait_all() => r,
+            _ = drivers => batch.wait_all().await,
         }
     }
 

@@ -34,6 +34,7 @@ pub use transport::fault::{FaultInjector, FaultKind, FaultPoint, FaultRule};
 pub use transport::loopback::LoopbackConfig;
 pub use transport::rdma::RdmaConfig;
 pub use transport::shm::ShmConfig;
+pub use transport::sim::{Fabric, FabricSpec, SimConfig};
 pub use transport::tcp::TcpConfig;
 pub use transport::{
     Admission, Link, LinkInfo, MemoryProvider, OpKind, SliceOp, Slicing, Transport, TransportKind,

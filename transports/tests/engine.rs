@@ -29,7 +29,7 @@ async fn assert_idle(e: &Engine) {
 #[case::mib_64(64 << 20)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_and_reads_are_bit_exact(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
     #[case] size: usize,
 ) {
     if common::unavailable(transport) {
@@ -79,7 +79,7 @@ async fn writes_and_reads_are_bit_exact(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_batches_between_several_engines(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -150,7 +150,7 @@ async fn many_concurrent_batches_between_several_engines(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_outside_a_grant_are_refused_and_touch_nothing(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -219,7 +219,7 @@ async fn writes_outside_a_grant_are_refused_and_touch_nothing(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -254,7 +254,7 @@ async fn a_revoked_grant_refuses_writes_and_the_canary_survives(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_times_out_frees_everything_and_fences_the_late_write(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -311,7 +311,7 @@ async fn deadline_times_out_frees_everything_and_fences_the_late_write(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -355,7 +355,7 @@ async fn peer_dropping_mid_transfer_fails_the_task_promptly_and_leaks_nothing(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_buffers_refuse_to_unregister(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -390,7 +390,7 @@ async fn busy_buffers_refuse_to_unregister(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_errors_that_name_them(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -458,7 +458,7 @@ async fn bad_requests_get_errors_that_name_them(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn freeing_a_running_batch_cancels_and_releases(
-    #[values("loopback", "tcp", "shm", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "shm", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;

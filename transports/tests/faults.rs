@@ -99,7 +99,7 @@ impl Run {
 #[case::drop_connection(FaultKind::DropConnection, ErrorKind::PeerDisconnected)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_faults_fail_the_task_and_stop_at_the_fault(
-    #[values("loopback", "tcp", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma", "sim")] transport: &'static str,
     #[case] kind: FaultKind,
     #[case] expected: ErrorKind,
 ) {
@@ -141,7 +141,7 @@ async fn failing_faults_fail_the_task_and_stop_at_the_fault(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stall_times_out_within_the_deadline(
-    #[values("loopback", "tcp", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -163,7 +163,7 @@ async fn a_stall_times_out_within_the_deadline(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delay_only_slows_the_transfer(
-    #[values("loopback", "tcp", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -186,7 +186,7 @@ async fn a_delay_only_slows_the_transfer(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corruption_flips_exactly_one_landed_byte_and_never_the_source(
-    #[values("loopback", "tcp", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -205,7 +205,7 @@ async fn corruption_flips_exactly_one_landed_byte_and_never_the_source(
 #[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicated_completion_reports_done_with_bytes_missing(
-    #[values("loopback", "tcp", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma", "sim")] transport: &'static str,
 ) {
     if common::unavailable(transport) {
         return;
@@ -240,7 +240,7 @@ async fn a_duplicated_completion_reports_done_with_bytes_missing(
 #[case::late_write(FaultKind::LateWrite, TaskState::TimedOut)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_bytes_that_arrive_after_revoke_never_land(
-    #[values("loopback", "tcp", "rdma")] transport: &'static str,
+    #[values("loopback", "tcp", "rdma", "sim")] transport: &'static str,
     #[case] kind: FaultKind,
     #[case] expected: TaskState,
 ) {

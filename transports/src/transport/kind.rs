@@ -30,6 +30,9 @@ pub enum TransportKind {
     /// across processes, peer copies between GPUs) under the grant's fence (cargo feature
     /// `cuda`; a build without it refuses to start this transport, naming the feature).
     Cuda,
+    /// Engines of one process on a modelled fabric (links, NICs, latency, bandwidth, queues):
+    /// bytes really copied, time from tokio's clock, virtual when it is paused.
+    Sim,
 }
 
 impl TransportKind {
@@ -41,6 +44,7 @@ impl TransportKind {
         TransportKind::Rdma,
         TransportKind::Tcp,
         TransportKind::Cuda,
+        TransportKind::Sim,
     ];
 
     /// The kind's name, as written in scenarios, on the command line and in reports.
@@ -51,6 +55,7 @@ impl TransportKind {
             TransportKind::Shm => "shm",
             TransportKind::Rdma => "rdma",
             TransportKind::Cuda => "cuda",
+            TransportKind::Sim => "sim",
         }
     }
 
@@ -70,9 +75,9 @@ impl TransportKind {
         }
     }
 
-    /// Whether engines of two processes can use it (loopback cannot).
+    /// Whether engines of two processes can use it (loopback and sim cannot).
     pub const fn crosses_processes(self) -> bool {
-        !matches!(self, TransportKind::Loopback)
+        !matches!(self, TransportKind::Loopback | TransportKind::Sim)
     }
 
     /// The valid names, comma separated, for error messages.

@@ -135,8 +135,8 @@ impl Link for LoopbackLink {
     }
 }
 
-/// The loopback data path: the peer checks the grant, then one memcpy under its fence.
-fn copy(peer: &Admission, name: &str, op: &SliceOp) -> Result<()> {
+/// The loopback data path (sim's too, once its model lets the bytes land): the peer checks the grant, then one memcpy under its fence.
+pub(crate) fn copy(peer: &Admission, name: &str, op: &SliceOp) -> Result<()> {
     let (region, admitted) = peer
         .admit(op.kind.access(), op.grant, op.grant_offset, op.len)
         .map_err(|e| e.with_peer(name))?;

@@ -29,6 +29,7 @@ pub mod kind;
 pub mod loopback;
 pub mod rdma;
 pub mod shm;
+pub mod sim;
 pub mod tcp;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -223,6 +224,7 @@ pub fn default_setup(kind: TransportKind) -> Arc<dyn TransportSetup> {
         TransportKind::Shm => Arc::new(shm::ShmConfig::default()),
         TransportKind::Rdma => Arc::new(rdma::RdmaConfig::default()),
         TransportKind::Cuda => Arc::new(cuda::CudaConfig::default()),
+        TransportKind::Sim => Arc::new(sim::SimConfig::default()),
     }
 }
 

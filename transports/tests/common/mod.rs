@@ -80,6 +80,8 @@ pub fn config(name: &str, transport: &str, store: &Arc<InProcessStore>) -> Engin
                 slice_size: 1 << 20,
                 ..CudaConfig::default()
             }),
+            // The process-wide one-node fabric; its slices are 1 MiB already.
+            TransportKind::Sim => c,
         };
     }
     c

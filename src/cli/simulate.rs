@@ -1,0 +1,354 @@
+//! `omnirig simulate --fabric F --scenario S --concurrency 1,4,16,64`: the scale model. Runs
+//! the scenario on the simulated fabric at each concurrency and reports the predicted per-hop
+//! and end-to-end latency (p50/p99), the throughput, and the fabric queues that were busiest
+//! (the one that binds first). With `--measured REPORT.json ...` (reports of real runs of
+//! the same scenario, e.g. `omnirig run --processes --transport tcp --report DIR`), it sets
+//! the predictions against them: a table and a predicted-vs-measured plot.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use omnirig_harness::sim;
+use omnirig_harness::{Report, Scenario};
+use serde::Serialize;
+
+#[derive(clap::Args, Debug)]
+pub struct SimulateArgs {
+    /// The fabric (YAML): nodes, NICs, links, placement (docs/sim.md).
+    #[arg(long)]
+    fabric: Option<PathBuf>,
+    /// The scenario (default: the embedded default scenario).
+    #[arg(long)]
+    scenario: Option<PathBuf>,
+    /// Concurrencies to predict, comma separated.
+    #[arg(long, default_value = "1,4,16,64")]
+    concurrency: String,
+    /// Runs of each request list: the scenario's requests repeated until there are at least
+    /// this many per concurrency level times the concurrency (percentiles need samples).
+    #[arg(long, default_value_t = 4)]
+    rounds: u32,
+    /// Seed of the fabric's jitter.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Reports of measured runs (report.json) to validate against, matched by concurrency.
+    #[arg(long, num_args = 1..)]
+    measured: Vec<PathBuf>,
+    /// Write predictions (and the comparison) here: simulate.json, simulate.md, plots.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Also write the scenario as simulated at each concurrency (`scenario-cN.yaml`), so
+    /// measured runs can run exactly the same requests.
+    #[arg(long)]
+    scenarios_out: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct HopPrediction {
+    pub hop: String,
+    pub transfer_ms_p50: f64,
+    pub transfer_ms_p99: f64,
+    pub handoff_ms_p50: f64,
+    pub handoff_ms_p99: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    pub concurrency: usize,
+    pub requests: usize,
+    pub ok: usize,
+    pub hops: Vec<HopPrediction>,
+    pub e2e_ms_p50: f64,
+    pub e2e_ms_p99: f64,
+    pub throughput_rps: f64,
+    /// The busiest fabric queues, utilisation in [0, 1].
+    pub busiest: Vec<(String, f64)>,
+    pub modelled_s: f64,
+    pub real_s: f64,
+}
+
+/// One predicted-against-measured figure.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    pub concurrency: usize,
+    /// A hop's `handoff p50`, or `e2e p50`.
+    pub what: String,
+    pub predicted_ms: f64,
+    pub measured_ms: f64,
+    /// (predicted - measured) / measured.
+    pub error: f64,
+}
+
+fn hops_of(r: &Report) -> Vec<HopPrediction> {
+    r.hops
+        .iter()
+        .map(|h| HopPrediction {
+            hop: h.hop.clone(),
+            transfer_ms_p50: h.transfer_ms_p50,
+            transfer_ms_p99: h.transfer_ms_p99,
+            handoff_ms_p50: h.handoff_ms_p50,
+            handoff_ms_p99: h.handoff_ms_p99,
+        })
+        .collect()
+}
+
+/// The scenario at concurrency `c`, with enough requests for percentiles.
+fn at_concurrency(base: &Scenario, c: usize, rounds: u32) -> Scenario {
+    let mut s = base.clone();
+    s.concurrency = c;
+    let per_round: u32 = s.requests.iter().map(|r| r.repeat).sum();
+    let want = (c as u32).saturating_mul(rounds).max(per_round);
+    let times = want.div_ceil(per_round.max(1));
+    for r in &mut s.requests {
+        r.repeat = r.repeat.saturating_mul(times);
+    }
+    s
+}
+
+pub fn predict(
+    base: &Scenario,
+    c: usize,
+    rounds: u32,
+    seed: Option<u64>,
+) -> anyhow::Result<Prediction> {
+    let s = at_concurrency(base, c, rounds);
+    let run = sim::run(&s, seed).with_context(|| format!("simulating concurrency {c}"))?;
+    let r = &run.report;
+    Ok(Prediction {
+        concurrency: c,
+        requests: r.summary.requests,
+        ok: r.summary.ok,
+        hops: hops_of(r),
+        e2e_ms_p50: r.summary.e2e_p50_ms,
+        e2e_ms_p99: r.summary.e2e_p99_ms,
+        throughput_rps: r.summary.throughput_rps,
+        busiest: run.utilisation().into_iter().take(3).collect(),
+        modelled_s: run.virtual_s,
+        real_s: run.real_s,
+    })
+}
+
+fn compare(p: &Prediction, m: &Report) -> Vec<Comparison> {
+    let mut out = Vec::new();
+    let mut push = |what: String, predicted_ms: f64, measured_ms: f64| {
+        if measured_ms > 0.0 {
+            out.push(Comparison {
+                concurrency: p.concurrency,
+                what,
+                predicted_ms,
+                measured_ms,
+                error: (predicted_ms - measured_ms) / measured_ms,
+            });
+        }
+    };
+    for h in &p.hops {
+        if let Some(mh) = m.hops.iter().find(|x| x.hop == h.hop) {
+            push(
+                format!("{} transfer p50", h.hop),
+                h.transfer_ms_p50,
+                mh.transfer_ms_p50,
+            );
+            push(
+                format!("{} handoff p50", h.hop),
+                h.handoff_ms_p50,
+                mh.handoff_ms_p50,
+            );
+        }
+    }
+    push("e2e p50".into(), p.e2e_ms_p50, m.summary.e2e_p50_ms);
+    out
+}
+
+fn table(preds: &[Prediction]) -> String {
+    let mut t = String::from(
+        "| concurrency | hop | transfer p50 ms | transfer p99 ms | handoff p50 ms | handoff p99 ms |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for p in preds {
+        for h in &p.hops {
+            t += &format!(
+                "| {} | {} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
+                p.concurrency,
+                h.hop,
+                h.transfer_ms_p50,
+                h.transfer_ms_p99,
+                h.handoff_ms_p50,
+                h.handoff_ms_p99
+            );
+        }
+    }
+    t += "\n| concurrency | requests ok | e2e p50 ms | e2e p99 ms | throughput req/s | busiest queue (utilisation) |\n\
+          |---|---|---|---|---|---|\n";
+    for p in preds {
+        t += &format!(
+            "| {} | {}/{} | {:.3} | {:.3} | {:.1} | {} |\n",
+            p.concurrency,
+            p.ok,
+            p.requests,
+            p.e2e_ms_p50,
+            p.e2e_ms_p99,
+            p.throughput_rps,
+            p.busiest
+                .iter()
+                .map(|(q, u)| format!("{q} {:.0}%", u * 100.0))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    t
+}
+
+fn comparison_table(cmp: &[Comparison]) -> String {
+    let mut t = String::from(
+        "| concurrency | figure | predicted ms | measured ms | error | within 20% |\n|---|---|---|---|---|---|\n",
+    );
+    for c in cmp {
+        t += &format!(
+            "| {} | {} | {:.3} | {:.3} | {:+.1}% | {} |\n",
+            c.concurrency,
+            c.what,
+            c.predicted_ms,
+            c.measured_ms,
+            c.error * 100.0,
+            if c.error.abs() <= 0.2 { "yes" } else { "no" }
+        );
+    }
+    t
+}
+
+/// Predicted against measured, log-log, with the y = x line and the 20% band.
+fn plot(cmp: &[Comparison], path: &Path) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    let lo = cmp
+        .iter()
+        .flat_map(|c| [c.predicted_ms, c.measured_ms])
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-4)
+        / 2.0;
+    let hi = cmp
+        .iter()
+        .flat_map(|c| [c.predicted_ms, c.measured_ms])
+        .fold(0.0, f64::max)
+        * 2.0;
+    crate::report::plot::register_font();
+    let root = SVGBackend::new(path, (720, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "simulate: predicted vs measured p50 (ms)",
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((lo..hi).log_scale(), (lo..hi).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("measured p50, ms")
+        .y_desc("predicted p50, ms")
+        .draw()?;
+    for (k, style) in [
+        (1.0, BLACK),
+        (1.2, RGBColor(150, 150, 150)),
+        (0.8, RGBColor(150, 150, 150)),
+    ] {
+        chart.draw_series(LineSeries::new(
+            [(lo, lo * k), (hi, hi * k)],
+            style.stroke_width(1),
+        ))?;
+    }
+    chart.draw_series(cmp.iter().map(|c| {
+        let color = if c.what.starts_with("e2e") {
+            RED
+        } else if c.what.ends_with("transfer p50") {
+            GREEN
+        } else {
+            BLUE
+        };
+        Circle::new((c.measured_ms, c.predicted_ms), 4, color.filled())
+    }))?;
+    root.present()?;
+    Ok(())
+}
+
+pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    let mut scenario = match &args.scenario {
+        Some(p) => Scenario::from_path(p)?,
+        None => Scenario::default_scenario(),
+    };
+    if let Some(f) = &args.fabric {
+        scenario.fabric = Some(sim::fabric_from_path(f)?);
+    }
+    let levels: Vec<usize> = args
+        .concurrency
+        .split(',')
+        .map(|x| {
+            x.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&c| (1..=omnirig_harness::scenario::MAX_CONCURRENCY).contains(&c))
+                .with_context(|| format!("--concurrency: {x:?} is not a concurrency"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let measured: Vec<Report> = args
+        .measured
+        .iter()
+        .map(|p| -> anyhow::Result<Report> {
+            let text = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
+            serde_json::from_str(&text).with_context(|| format!("{}: not a report", p.display()))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    if let Some(dir) = &args.scenarios_out {
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        for &c in &levels {
+            let s = at_concurrency(&scenario, c, args.rounds);
+            let path = dir.join(format!("scenario-c{c}.yaml"));
+            // JSON is YAML: the scenario loader reads it back as written.
+            std::fs::write(&path, serde_json::to_string_pretty(&s)?)
+                .with_context(|| path.display().to_string())?;
+        }
+    }
+    let mut preds = Vec::new();
+    for &c in &levels {
+        let p = predict(&scenario, c, args.rounds, args.seed)?;
+        eprintln!(
+            "[simulate] concurrency {c}: {} requests, {:.3} s modelled in {:.2} s",
+            p.requests, p.modelled_s, p.real_s
+        );
+        preds.push(p);
+    }
+    let mut md = table(&preds);
+    let mut cmp = Vec::new();
+    for p in &preds {
+        if let Some(m) = measured.iter().find(|m| m.concurrency == p.concurrency) {
+            cmp.extend(compare(p, m));
+        }
+    }
+    if !cmp.is_empty() {
+        md += "\n";
+        md += &comparison_table(&cmp);
+    }
+    print!("{md}");
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        #[derive(Serialize)]
+        struct Out<'a> {
+            scenario: &'a str,
+            fabric: &'a Option<omnirig_transports::FabricSpec>,
+            predictions: &'a [Prediction],
+            comparison: &'a [Comparison],
+        }
+        let json = serde_json::to_string_pretty(&Out {
+            scenario: &scenario.name,
+            fabric: &scenario.fabric,
+            predictions: &preds,
+            comparison: &cmp,
+        })?;
+        std::fs::write(dir.join("simulate.json"), json)?;
+        std::fs::write(dir.join("simulate.md"), &md)?;
+        if !cmp.is_empty() {
+            plot(&cmp, &dir.join("predicted_vs_measured.svg"))?;
+        }
+        println!("written: {}", dir.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! Issue 16 at the command line: `run --transport sim` replays a seed exactly, `explore`
+//! passes its invariants, `simulate` predicts and compares with a measured report, and bad
+//! sim input is refused naming what was wrong.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("omnirig-sim-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn omnirig(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_omnirig"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+const SMALL: &str = "name: small\nconcurrency: 2\nrequests:\n  - case: text_short\n    repeat: 3\n    vary_seed: true\n";
+
+#[test]
+fn a_seed_replays_exactly_and_bad_input_is_named() {
+    let d = dir("replay");
+    let scenario = d.join("small.yaml");
+    std::fs::write(&scenario, SMALL).unwrap();
+    let s = scenario.to_str().unwrap();
+    let mut traces = Vec::new();
+    for i in 0..2 {
+        let trace = d.join(format!("trace{i}.txt"));
+        let report = d.join(format!("r{i}"));
+        let o = omnirig(&[
+            "run",
+            s,
+            "--transport",
+            "sim",
+            "--seed",
+            "9",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--report",
+            report.to_str().unwrap(),
+            "-q",
+        ]);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(text(&o).contains("3/3 requests ok"), "{}", text(&o));
+        traces.push((
+            std::fs::read(&trace).unwrap(),
+            std::fs::read(report.join("report.json")).unwrap(),
+        ));
+    }
+    assert!(traces[0].0 == traces[1].0, "traces differ");
+    assert!(traces[0].1 == traces[1].1, "reports differ");
+    assert!(!traces[0].0.is_empty());
+
+    // --seed without sim, a broken fabric file, a placement on a node that does not exist.
+    let o = omnirig(&["run", s, "--seed", "9"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("--transport sim"), "{}", text(&o));
+    let fabric = d.join("fabric.yaml");
+    std::fs::write(
+        &fabric,
+        "nodes: [{ name: a, nics: [{ name: x, gbps: -1 }] }]\n",
+    )
+    .unwrap();
+    let o = omnirig(&[
+        "run",
+        s,
+        "--transport",
+        "sim",
+        "--fabric",
+        fabric.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("fabric.nodes[0].nics[0].gbps"),
+        "{}",
+        text(&o)
+    );
+    std::fs::write(
+        &fabric,
+        "nodes: [{ name: a, nics: [{ name: x, gbps: 10 }] }]\nplacement: { talker: b }\n",
+    )
+    .unwrap();
+    let o = omnirig(&[
+        "run",
+        s,
+        "--transport",
+        "sim",
+        "--fabric",
+        fabric.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("placement.talker"), "{}", text(&o));
+}
+
+#[test]
+fn explore_passes_a_few_seeds() {
+    let o = omnirig(&["explore", "--seeds", "3", "--start", "40"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("explored 3 seeds"), "{}", text(&o));
+    assert!(text(&o).contains("0 failing"), "{}", text(&o));
+}
+
+#[test]
+fn simulate_predicts_and_compares_with_a_measured_run() {
+    let d = dir("simulate");
+    let scenario = d.join("small.yaml");
+    std::fs::write(&scenario, SMALL).unwrap();
+    let s = scenario.to_str().unwrap();
+    // The "measured" run: the same requests over loopback, for real.
+    let scenarios = d.join("scenarios");
+    let out = d.join("out");
+    let o = omnirig(&[
+        "simulate",
+        "--scenario",
+        s,
+        "--concurrency",
+        "2",
+        "--rounds",
+        "1",
+        "--scenarios-out",
+        scenarios.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let measured = d.join("measured");
+    let o = omnirig(&[
+        "run",
+        scenarios.join("scenario-c2.yaml").to_str().unwrap(),
+        "--transport",
+        "loopback",
+        "--report",
+        measured.to_str().unwrap(),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = omnirig(&[
+        "simulate",
+        "--scenario",
+        s,
+        "--concurrency",
+        "2",
+        "--rounds",
+        "1",
+        "--measured",
+        measured.join("report.json").to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("| 2 | kv_cache |"), "{t}");
+    assert!(t.contains("| 2 | e2e p50 |"), "{t}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("simulate.json")).unwrap()).unwrap();
+    assert_eq!(json["predictions"][0]["concurrency"], 2);
+    assert_eq!(json["predictions"][0]["ok"], 3);
+    assert!(!json["comparison"].as_array().unwrap().is_empty());
+    assert!(out.join("predicted_vs_measured.svg").exists());
+    let o = omnirig(&["simulate", "--concurrency", "0,4"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("--concurrency: \"0\""), "{}", text(&o));
+}
