@@ -23,7 +23,7 @@ use tokio::process::{Child, Command};
 
 use crate::control::{Link, Msg};
 use crate::error::{HarnessError, Result};
-use crate::scenario::Scenario;
+use crate::scenario::{Scenario, StageMemory};
 use crate::stage::{HopEnd, StageOutcome, StageUsage, StageWorker, inbound_kind, outbound_kind};
 
 /// How long setup steps (process start, handshakes) may take.
@@ -340,6 +340,8 @@ impl Remote {
                 hop_transport(outbound_kind(stage)),
                 "--bind".into(),
                 launcher.bind_host(stage).to_string(),
+                "--memory".into(),
+                scenario.memory.as_str().into(),
             ];
             let mut args = args;
             if let Some(spec) = launcher.metadata() {
@@ -601,6 +603,7 @@ pub async fn run_stage_process(
     out_transport: TransportKind,
     bind: std::net::IpAddr,
     metadata: Option<&str>,
+    memory: StageMemory,
 ) -> Result<()> {
     for t in [in_transport, out_transport] {
         if !t.crosses_processes() {
@@ -635,7 +638,8 @@ pub async fn run_stage_process(
         None => InProcessStore::new(),
     };
     let engine = |side: &str, transport: TransportKind| {
-        let c = EngineConfig::for_kind(name(stage, side), transport).store(store.clone());
+        let c = memory
+            .configure(EngineConfig::for_kind(name(stage, side), transport).store(store.clone()));
         // Peers on other nodes reach the engine on the node's address, not on 127.0.0.1.
         if bind.is_loopback() {
             c

@@ -96,7 +96,10 @@ pub async fn local_stages(
     for kind in PayloadKind::ALL {
         let transport = scenario.transport_for(kind);
         let mk = |side: &str| {
-            EngineConfig::for_kind(format!("{tag}-{kind}-{side}"), transport).store(store.clone())
+            scenario.memory.configure(
+                EngineConfig::for_kind(format!("{tag}-{kind}-{side}"), transport)
+                    .store(store.clone()),
+            )
         };
         let mut tx_cfg = mk("tx");
         if let Some(d) = decorators.get(kind.as_str()) {

@@ -27,6 +27,9 @@ pub struct StageArgs {
     /// etcd://host:port[?ttl_s=N]); default: peer-to-peer.
     #[arg(long)]
     metadata: Option<String>,
+    /// Where its tensors live: host, or gpu (device memory; a build with `--features cuda`).
+    #[arg(long, default_value = "host")]
+    memory: omnirig_harness::StageMemory,
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
@@ -42,6 +45,7 @@ pub fn run(args: StageArgs) -> anyhow::Result<()> {
         args.out_transport,
         args.bind,
         args.metadata.as_deref(),
+        args.memory,
     ))?;
     Ok(())
 }
