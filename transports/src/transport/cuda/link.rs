@@ -668,9 +668,9 @@ impl Link for CudaLink {
         // A request's only or last slice: no other slice of its task waits to be started
         // (the engine starts them in order), so it runs on this worker (the runtime moves the
         // worker's other tasks to another thread) and saves the two thread wakeups of a
-        // handoff to the blocking pool and back: 16 MiB device->host went from 0.78-0.82x to
-        // 0.89x of cuMemcpy on an H200 (docs/gpu.md). Earlier slices keep the pool, so a
-        // request's slices still overlap.
+        // handoff to the blocking pool and back (with the owner's poll, 16 MiB device<->host
+        // went from about 0.8x to 0.94-0.96x of cuMemcpy on an H200, docs/gpu.md). Earlier
+        // slices keep the pool, so a request's slices still overlap.
         let inline = op.request_offset.saturating_add(op.len) >= op.request_len
             && tokio::runtime::Handle::try_current()
                 .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
