@@ -41,5 +41,5 @@ pub mod stage;
 pub use error::{HarnessError, Result};
 pub use report::{HopResult, HopSummary, Report, RequestResult, Summary};
 pub use runner::Runner;
-pub use scenario::Scenario;
+pub use scenario::{Scenario, StageMemory};
 pub use stage::{StageOutcome, StageUsage, StageWorker};

@@ -23,7 +23,7 @@ use tokio::process::{Child, Command};
 
 use crate::control::{Link, Msg};
 use crate::error::{HarnessError, Result};
-use crate::scenario::Scenario;
+use crate::scenario::{Scenario, StageMemory};
 use crate::stage::{HopEnd, StageOutcome, StageUsage, StageWorker, inbound_kind, outbound_kind};
 
 /// How long setup steps (process start, handshakes) may take.
@@ -164,6 +164,14 @@ pub struct StageRdma {
     pub port: u8,
     /// None: the first RoCEv2 IPv4 GID (the first GID on InfiniBand).
     pub gid_index: Option<u32>,
+}
+
+/// The devices a stage process uses: its node's RDMA device (None: the transport's defaults)
+/// and where its tensors live.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StageDevices {
+    pub rdma: Option<StageRdma>,
+    pub memory: StageMemory,
 }
 
 type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
@@ -356,6 +364,8 @@ impl Remote {
                 hop_transport(outbound_kind(stage)),
                 "--bind".into(),
                 launcher.bind_host(stage).to_string(),
+                "--memory".into(),
+                scenario.memory.as_str().into(),
             ];
             let mut args = args;
             if let Some(spec) = launcher.metadata() {
@@ -621,7 +631,7 @@ pub fn process_transport(scenario_transport: TransportKind) -> TransportKind {
 
 /// The body of `omnirig stage`: one stage as its own process. `in_transport` and
 /// `out_transport` are its inbound and outbound hops' transports (kinds that cross processes);
-/// `rdma` the device its rdma engines use (None: the transport's defaults).
+/// `devices` the RDMA device and memory its engines use.
 pub async fn run_stage_process(
     stage: Stage,
     orchestrator: SocketAddr,
@@ -629,8 +639,9 @@ pub async fn run_stage_process(
     out_transport: TransportKind,
     bind: std::net::IpAddr,
     metadata: Option<&str>,
-    rdma: Option<StageRdma>,
+    devices: StageDevices,
 ) -> Result<()> {
+    let StageDevices { rdma, memory } = devices;
     for t in [in_transport, out_transport] {
         if !t.crosses_processes() {
             return Err(setup(format!(
@@ -664,7 +675,8 @@ pub async fn run_stage_process(
         None => InProcessStore::new(),
     };
     let engine = |side: &str, transport: TransportKind| {
-        let mut c = EngineConfig::for_kind(name(stage, side), transport).store(store.clone());
+        let mut c = memory
+            .configure(EngineConfig::for_kind(name(stage, side), transport).store(store.clone()));
         // Peers on other nodes reach the engine on the node's address, not on 127.0.0.1.
         if !bind.is_loopback() {
             c = c.with(omnirig_transports::TcpConfig {

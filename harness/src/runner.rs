@@ -127,7 +127,10 @@ pub async fn local_stages_on(
     for kind in PayloadKind::ALL {
         let transport = scenario.transport_for(kind);
         let mk = |side: &str| {
-            EngineConfig::for_kind(format!("{tag}-{kind}-{side}"), transport).store(store.clone())
+            scenario.memory.configure(
+                EngineConfig::for_kind(format!("{tag}-{kind}-{side}"), transport)
+                    .store(store.clone()),
+            )
         };
         let mut tx_cfg = mk("tx");
         let mut rx_cfg = mk("rx");

@@ -7,6 +7,7 @@
 //! arrival: { pattern: poisson, rate_per_s: 20, seed: 1 }   # closed | interval | poisson
 //! transport: loopback            # default for every hop: loopback | tcp | shm
 //! hops: { kv_cache: tcp }        # per-hop override, by payload kind
+//! memory: host                   # stage tensors in host | gpu memory (gpu: --features cuda)
 //! compute: { thinker_decode: { per_token_us: 30 } }        # per stage, see model-stubs
 //! block_tokens: 16               # KV block size
 //! include_deepstack: true        # vision rows carry DeepStack features
@@ -99,6 +100,12 @@ pub struct Scenario {
     pub transport: TransportKind,
     #[serde(default)]
     pub hops: HopTransports,
+    /// Where the stages' tensors live: `host`, or `gpu` (device memory of GPU 0 through the
+    /// cuda transport's allocator, as a real deployment keeps them; tcp hops stage through
+    /// pinned buffers, cuda hops copy device to device). `gpu` needs `--features cuda` and a
+    /// GPU: the engines refuse to start otherwise, saying why.
+    #[serde(default)]
+    pub memory: StageMemory,
     #[serde(default)]
     pub compute: StageCompute,
     #[serde(default = "block16")]
@@ -145,6 +152,53 @@ pub struct Scenario {
     /// 100 Gb/s switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric: Option<omnirig_transports::FabricSpec>,
+}
+
+/// Where stage tensors (pools, KV cache, encoder cache) are allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageMemory {
+    /// The engine's host allocator.
+    #[default]
+    Host,
+    /// Device memory of GPU 0: fixtures are generated on the host and copied in once, and
+    /// each landed tensor is copied back once to be checked.
+    Gpu,
+}
+
+impl std::str::FromStr for StageMemory {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "host" => Ok(StageMemory::Host),
+            "gpu" => Ok(StageMemory::Gpu),
+            other => Err(format!("memory {other:?} is not one of host, gpu")),
+        }
+    }
+}
+
+impl StageMemory {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageMemory::Host => "host",
+            StageMemory::Gpu => "gpu",
+        }
+    }
+
+    /// The engine config for this memory: `Gpu` adds the cuda transport as the engine's
+    /// allocator; the policy still keeps every hop's data on its own transport.
+    pub fn configure(
+        self,
+        c: omnirig_transports::EngineConfig,
+    ) -> omnirig_transports::EngineConfig {
+        match self {
+            StageMemory::Host => c,
+            StageMemory::Gpu => c.with(omnirig_transports::CudaConfig {
+                memory: omnirig_transports::CudaMemory::Device,
+                ..Default::default()
+            }),
+        }
+    }
 }
 
 /// A stage process to kill mid-run.
@@ -308,6 +362,7 @@ impl Scenario {
             arrival: Arrival::default(),
             transport,
             hops: HopTransports::default(),
+            memory: StageMemory::Host,
             compute: StageCompute::default(),
             block_tokens: 16,
             include_deepstack: true,

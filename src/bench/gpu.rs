@@ -72,6 +72,10 @@ fn gpu_engine_config(
             memory,
             slice_size: env_or("OMNIRIG_CUDA_SLICE_SIZE", CudaConfig::default().slice_size),
             streams: env_or("OMNIRIG_CUDA_STREAMS", CudaConfig::default().streams as u64) as usize,
+            server_spin: std::time::Duration::from_micros(env_or(
+                "OMNIRIG_CUDA_SERVER_SPIN_US",
+                CudaConfig::default().server_spin.as_micros() as u64,
+            )),
             ..CudaConfig::default()
         })
         .policy(omnirig_transports::TransportPolicy::Only(kind))
@@ -97,6 +101,15 @@ fn check(buf: &Buffer, len: u64, byte: u8, what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The rows on a multi-threaded runtime: the one `omnirig run` and the stages use, so
+/// the benchmark measures the slice path the product runs.
+pub fn run(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(rows(o, max))
+}
+
 pub async fn rows(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     let gpus = device_count().context("bench transfer --transport cuda needs a GPU")?;
     if gpus == 0 {
@@ -110,12 +123,16 @@ pub async fn rows(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         g1.enable_peer(&g0)?;
     }
     progress(&format!(
-        "cuda slices {} x {} in flight",
+        "cuda slices {} x {} in flight, owner polls {} us",
         human_size(env_or(
             "OMNIRIG_CUDA_SLICE_SIZE",
             CudaConfig::default().slice_size
         )),
-        env_or("OMNIRIG_CUDA_STREAMS", CudaConfig::default().streams as u64)
+        env_or("OMNIRIG_CUDA_STREAMS", CudaConfig::default().streams as u64),
+        env_or(
+            "OMNIRIG_CUDA_SERVER_SPIN_US",
+            CudaConfig::default().server_spin.as_micros() as u64
+        )
     ));
     progress(&format!(
         "{} -> {} ({})",

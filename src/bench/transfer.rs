@@ -51,7 +51,7 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
         TransportKind::Shm => rt.block_on(shm(o, max))?,
         // GPU buffers (docs/gpu.md): the cuda transport and staging against CUDA copies.
         #[cfg(feature = "cuda")]
-        TransportKind::Cuda => rt.block_on(super::gpu::rows(o, max))?,
+        TransportKind::Cuda => super::gpu::run(o, max)?,
         #[cfg(not(feature = "cuda"))]
         TransportKind::Cuda => {
             bail!("this build has no cuda transport (build with `--features cuda`)")

@@ -38,6 +38,9 @@ pub struct StageArgs {
     /// The GID index to send from; default: the first RoCEv2 IPv4 GID.
     #[arg(long, requires = "rdma_device")]
     rdma_gid_index: Option<u32>,
+    /// Where its tensors live: host, or gpu (device memory; a build with `--features cuda`).
+    #[arg(long, default_value = "host")]
+    memory: omnirig_harness::StageMemory,
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
@@ -53,12 +56,16 @@ pub fn run(args: StageArgs) -> anyhow::Result<()> {
         args.out_transport,
         args.bind,
         args.metadata.as_deref(),
-        args.rdma_device
-            .map(|device| omnirig_harness::process::StageRdma {
-                device,
-                port: args.rdma_port,
-                gid_index: args.rdma_gid_index,
-            }),
+        omnirig_harness::process::StageDevices {
+            rdma: args
+                .rdma_device
+                .map(|device| omnirig_harness::process::StageRdma {
+                    device,
+                    port: args.rdma_port,
+                    gid_index: args.rdma_gid_index,
+                }),
+            memory: args.memory,
+        },
     ))?;
     Ok(())
 }

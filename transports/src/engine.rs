@@ -453,18 +453,45 @@ impl Buffer {
     }
 
     /// Fills `offset..offset+len` in place (generators write straight into registered memory).
+    /// GPU memory is filled in host memory first and copied to the device once (the host
+    /// cannot address it; a real stage's outputs would be made there by its kernels).
     pub fn fill<R>(&self, offset: u64, len: u64, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
         self.leased(offset, len.max(1), Access::Write, || {
+            if self.region.is_device() {
+                let mut host = host_copy_buffer(len)?;
+                let r = f(&mut host);
+                self.region.write(offset, &host)?;
+                return Ok(r);
+            }
             self.region.with_mut_slice(offset, len, f)
         })
     }
 
-    /// Looks at `offset..offset+len` in place (digests without a copy).
+    /// Looks at `offset..offset+len` in place (digests without a copy). GPU memory is copied
+    /// back to the host once and looked at there.
     pub fn view<R>(&self, offset: u64, len: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.leased(offset, len.max(1), Access::Read, || {
+            if self.region.is_device() {
+                let mut host = host_copy_buffer(len)?;
+                self.region.read(offset, &mut host)?;
+                return Ok(f(&host));
+            }
             self.region.with_slice(offset, len, f)
         })
     }
+}
+
+/// A host buffer of `len` bytes for one copy of GPU memory, refused (not aborted) when the
+/// host cannot spare it.
+fn host_copy_buffer(len: u64) -> Result<Vec<u8>> {
+    let n = usize::try_from(len).map_err(|_| {
+        Error::new(
+            ErrorKind::Resource,
+            format!("{len} bytes do not fit in host memory"),
+        )
+    })?;
+    crate::memory::check_available(n)?;
+    Ok(vec![0u8; n])
 }
 
 /// One transfer request: local range <-> a peer's granted range.

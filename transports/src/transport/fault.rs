@@ -386,7 +386,7 @@ impl Link for FaultyLink {
                             // Of the same kind as the source, so shm can still share it.
                             let copy = op.local.allocate_like(op.len as usize)?;
                             op.local.copy_to(op.local_offset, &copy, 0, op.len)?;
-                            copy.with_mut_slice(at, 1, |b| b[0] ^= 0x5a)?;
+                            flip(&copy, at)?;
                             link.execute(SliceOp {
                                 local: Arc::new(copy),
                                 local_offset: 0,
@@ -396,8 +396,7 @@ impl Link for FaultyLink {
                         }
                         OpKind::Read => {
                             link.execute(op.clone()).await?;
-                            op.local
-                                .with_mut_slice(op.local_offset + at, 1, |b| b[0] ^= 0x5a)?;
+                            flip(&op.local, op.local_offset + at)?;
                             Ok(())
                         }
                     }
@@ -419,6 +418,14 @@ impl Link for FaultyLink {
             }
         })
     }
+}
+
+/// Flips one byte of `region` at `offset` (a read and a write, so GPU memory works too).
+fn flip(region: &crate::memory::Region, offset: u64) -> crate::error::Result<()> {
+    let mut b = [0u8];
+    region.read(offset, &mut b)?;
+    b[0] ^= 0x5a;
+    region.write(offset, &b)
 }
 
 #[cfg(test)]
