@@ -125,7 +125,7 @@ fn sysfs_rdma() -> Probe {
         let driver = std::fs::read_link(d.join("device/driver"))
             .ok()
             .and_then(|l| l.file_name().map(|f| f.to_string_lossy().into_owned()))
-            .unwrap_or_else(|| "?".into());
+            .unwrap_or_else(|| software_driver(d));
         out.push_str(&format!("{name}: driver {driver}\n"));
         if let Ok(ports) = std::fs::read_dir(d.join("ports")) {
             let mut ports: Vec<_> = ports.flatten().map(|p| p.path()).collect();
@@ -153,6 +153,23 @@ fn sysfs_rdma() -> Probe {
         p.output = Some(out);
     }
     p
+}
+
+/// A software RDMA device (rdma_rxe, siw) has no PCI device behind it: name its module and
+/// the netdev it runs on (its `parent`) instead.
+fn software_driver(dev: &std::path::Path) -> String {
+    let parent = std::fs::read_to_string(dev.join("parent"))
+        .map(|s| s.trim().chars().take(64).collect::<String>())
+        .ok();
+    let module = ["rdma_rxe", "siw"]
+        .into_iter()
+        .find(|m| std::path::Path::new("/sys/module").join(m).exists());
+    match (module, parent) {
+        (Some(m), Some(p)) => format!("{m} (software, on netdev {p})"),
+        (Some(m), None) => format!("{m} (software)"),
+        (None, Some(p)) => format!("? (no PCI device; on netdev {p})"),
+        (None, None) => "?".into(),
+    }
 }
 
 /// Collects this host's facts.

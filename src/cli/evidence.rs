@@ -402,11 +402,16 @@ fn note_for(label: &str, cluster: &Cluster, nodes: &[NodeEvidence]) -> Option<St
 }
 
 fn gpudirect_why_not(cluster: &Cluster, nodes: &[NodeEvidence]) -> String {
-    let mut why = vec![
-        "this build has no cuda transport: GPUDirect needs GPU memory registered with the NIC \
-         (feature cuda, issue 15)"
-            .to_string(),
-    ];
+    let mut why = vec![if cfg!(feature = "cuda") {
+        "this build has GPU memory (feature cuda), but registering a dma-buf of it with the NIC \
+         (ibv_reg_dmabuf_mr) is not implemented yet: GPU tensors stage through pinned host \
+         memory (docs/gpu.md)"
+            .to_string()
+    } else {
+        "this build has no GPU memory: GPUDirect needs GPU memory registered with the NIC \
+         (build with --features cuda)"
+            .to_string()
+    }];
     if cluster.nodes.iter().all(|n| n.gpu.is_none()) {
         why.push("no node in the cluster file names a gpu".into());
     }

@@ -180,7 +180,7 @@ mod tests {
         let mut by_preference = TransportKind::ALL.to_vec();
         by_preference.sort_by_key(|k| k.preference());
         use TransportKind::*;
-        assert_eq!(by_preference, [Loopback, Cuda, Shm, Rdma, Tcp]);
+        assert_eq!(by_preference, [Loopback, Cuda, Shm, Rdma, Tcp, Sim]);
         let bad = rmp_serde::to_vec("carrier pigeon").unwrap();
         let e = rmp_serde::from_slice::<TransportKind>(&bad).unwrap_err();
         assert!(e.to_string().contains("tcp"), "{e}");
