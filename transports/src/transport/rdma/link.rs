@@ -1085,7 +1085,7 @@ fn finish_off_thread(
     Box::pin(async move {
         // a run already posted is waited for as a task: no thread per slice
         let (next, retried) = match next {
-            Next::Resume(run, conn) => match finish_async(run, conn).await {
+            Next::Resume(run, conn) if wait_as_task() => match finish_async(run, conn).await {
                 Ok(r) => return r.map_err(|e| this.failed(e, &op)),
                 Err(next) => {
                     let retried = matches!(next, Next::Start);
@@ -1157,6 +1157,13 @@ async fn finish_async(mut run: Run, conn: Arc<Conn>) -> std::result::Result<Resu
             Err(e) => return Ok(Err(e)),
         }
     }
+}
+
+/// Whether posted runs wait as tasks ([`finish_async`]); `OMNIRIG_RDMA_WAIT=thread` makes them
+/// wait on a blocking thread each, as before, to measure one against the other in one run.
+fn wait_as_task() -> bool {
+    static AS_TASK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AS_TASK.get_or_init(|| std::env::var("OMNIRIG_RDMA_WAIT").as_deref() != Ok("thread"))
 }
 
 /// How often a run in flight checks whether its peer closed the control connection.
