@@ -1012,16 +1012,7 @@ impl Shared {
             match run.pump(Instant::now() + Duration::from_millis(50), Some(&stop)) {
                 Ok(true) => return Ok(()),
                 Ok(false) => gone = gone || conn.peer_gone(),
-                Err(e) if gone => {
-                    return Err(Error::new(
-                        ErrorKind::PeerDisconnected,
-                        format!(
-                            "rdma: the peer closed its control connection (its engine went away); \
-                             the requests in flight were stopped and drained ({})",
-                            e.detail()
-                        ),
-                    ));
-                }
+                Err(e) if gone => return Err(peer_went_away(&e)),
                 Err(e) => return Err(e),
             }
         }
@@ -1092,6 +1083,17 @@ fn finish_off_thread(
     op: SliceOp,
 ) -> BoxFuture<'static, Result<()>> {
     Box::pin(async move {
+        // a run already posted is waited for as a task: no thread per slice
+        let (next, retried) = match next {
+            Next::Resume(run, conn) if wait_as_task() => match finish_async(run, conn).await {
+                Ok(r) => return r.map_err(|e| this.failed(e, &op)),
+                Err(next) => {
+                    let retried = matches!(next, Next::Start);
+                    (next, retried)
+                }
+            },
+            next => (next, false),
+        };
         let cancel = Arc::new(AtomicBool::new(false));
         let guard = CancelOnDrop(cancel.clone());
         let shared = this.clone();
@@ -1100,7 +1102,7 @@ fn finish_off_thread(
         let r = tokio::task::spawn_blocking(move || {
             let _run_permit = permit;
             let mut next = next;
-            let mut again = true;
+            let mut again = !retried;
             loop {
                 let (run, conn) = match next {
                     Next::Resume(run, conn) => (run, conn),
@@ -1121,6 +1123,61 @@ fn finish_off_thread(
         drop(guard);
         r.map_err(|e| this.failed(e, &op))
     })
+}
+
+/// Pumps a posted run to its end as a task, waiting on the completion channel through the
+/// runtime's reactor ([`Run::wait_async`]), and watching the control connection as
+/// [`Shared::finish`] does. `Err` where it continues on a blocking thread: no reactor
+/// (`Resume`), flushed by another run's failure (`Start`, once more on a fresh queue pair), or
+/// failed (`Explain`: asking the peer why may block). Dropping the future drops the run, which
+/// moves the queue pair to ERROR and drains the run's requests (flushes come back at once).
+async fn finish_async(mut run: Run, conn: Arc<Conn>) -> std::result::Result<Result<()>, Next> {
+    let stop = AtomicBool::new(false);
+    let mut gone = false;
+    let mut check = Instant::now() + PEER_CHECK;
+    loop {
+        if gone {
+            stop.store(true, Ordering::Release);
+        }
+        match run.pump(Instant::now(), Some(&stop)) {
+            Ok(true) => return Ok(Ok(())),
+            Ok(false) => {}
+            Err(e) if gone => return Ok(Err(peer_went_away(&e))),
+            Err(e) if flushed(&e) => return Err(Next::Start),
+            Err(e) => return Err(Next::Explain(e, conn)),
+        }
+        let now = Instant::now();
+        if now >= check {
+            gone = conn.peer_gone();
+            check = now + PEER_CHECK;
+        }
+        match run.wait_async(check).await {
+            Ok(true) => {}
+            Ok(false) => return Err(Next::Resume(run, conn)),
+            Err(e) => return Ok(Err(e)),
+        }
+    }
+}
+
+/// Whether posted runs wait as tasks ([`finish_async`]); `OMNIRIG_RDMA_WAIT=thread` makes them
+/// wait on a blocking thread each, as before, to measure one against the other in one run.
+fn wait_as_task() -> bool {
+    static AS_TASK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AS_TASK.get_or_init(|| std::env::var("OMNIRIG_RDMA_WAIT").as_deref() != Ok("thread"))
+}
+
+/// How often a run in flight checks whether its peer closed the control connection.
+const PEER_CHECK: Duration = Duration::from_millis(50);
+
+fn peer_went_away(e: &Error) -> Error {
+    Error::new(
+        ErrorKind::PeerDisconnected,
+        format!(
+            "rdma: the peer closed its control connection (its engine went away); \
+             the requests in flight were stopped and drained ({})",
+            e.detail()
+        ),
+    )
 }
 
 /// Sets the flag when dropped: the engine dropping a slice's future cancels its verbs run.

@@ -15,6 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use tokio::io::unix::AsyncFd;
+
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel};
@@ -425,6 +427,9 @@ pub fn completion_error(c: &Completion, what: &str) -> Error {
 /// A completion queue with its completion channel: polled in a short spin, then parked on the
 /// channel's file descriptor so an idle waiter burns no CPU.
 pub struct CompletionQueue {
+    /// The channel's fd registered with the tokio reactor of the first async waiter (declared
+    /// first: dropped, and so deregistered, while the channel is still open).
+    reactor: Mutex<Option<Arc<AsyncFd<ChannelFd>>>>,
     cq: Arc<BasicCompletionQueue>,
     channel: Arc<CompletionChannel>,
     device: Arc<Device>,
@@ -452,6 +457,7 @@ impl CompletionQueue {
             .build()
             .map_err(|e| device.err(None, &format!("create a {depth}-entry CQ"), chain(&e)))?;
         Ok(Arc::new(Self {
+            reactor: Mutex::new(None),
             cq,
             channel,
             device: device.clone(),
@@ -511,13 +517,54 @@ impl CompletionQueue {
                 }
             }
             if r > 0 && raw::get_cq_event(&self.channel) {
-                let n = self.unacked.fetch_add(1, Ordering::AcqRel) + 1;
-                if n >= 64 {
-                    self.unacked.fetch_sub(n, Ordering::AcqRel);
-                    raw::ack_cq_events(&self.cq, n);
-                }
+                self.note_event();
             }
         }
+    }
+
+    /// Counts one event read from the channel; acknowledges them 64 at a time.
+    fn note_event(&self) {
+        let n = self.unacked.fetch_add(1, Ordering::AcqRel) + 1;
+        if n >= 64 {
+            self.unacked.fetch_sub(n, Ordering::AcqRel);
+            raw::ack_cq_events(&self.cq, n);
+        }
+    }
+
+    /// Reads every event waiting on the (non-blocking) channel.
+    fn take_events(&self) {
+        while raw::get_cq_event(&self.channel) {
+            self.note_event();
+        }
+    }
+
+    /// The channel's fd in the current tokio runtime's reactor, registered on first use;
+    /// `None` outside a runtime or where the runtime has no I/O driver (callers then wait on a
+    /// blocking thread instead).
+    fn reactor(&self) -> Option<Arc<AsyncFd<ChannelFd>>> {
+        let mut g = self.reactor.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = g.as_ref() {
+            return Some(a.clone());
+        }
+        tokio::runtime::Handle::try_current().ok()?;
+        let fd = ChannelFd(self.channel.clone());
+        // tokio panics (rather than failing) in a runtime built without I/O
+        let a = std::panic::catch_unwind(|| raw::register_channel(fd))
+            .ok()?
+            .ok()?;
+        let a = Arc::new(a);
+        *g = Some(a.clone());
+        Some(a)
+    }
+}
+
+/// A completion channel's fd as the tokio reactor sees it; holding the channel keeps the fd
+/// open as long as the registration lives.
+struct ChannelFd(Arc<CompletionChannel>);
+
+impl AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
     }
 }
 
@@ -575,6 +622,9 @@ pub struct QueuePair {
 struct Slot {
     inbox: Mutex<Inbox>,
     ready: Condvar,
+    /// Wakes an owner waiting as a task ([`QueuePair::wait_async`]); a notification sent while
+    /// it is not waiting is kept for its next wait.
+    notify: tokio::sync::Notify,
     /// What its owner sleeps for: [`NOT_WAITING`], [`FOR_COMPLETIONS`] or [`FOR_ENTRIES`].
     waiting: AtomicU8,
 }
@@ -610,6 +660,7 @@ impl Slot {
     fn kick(&self) {
         self.inbox().kick = true;
         self.ready.notify_one();
+        self.notify.notify_one();
     }
 }
 
@@ -899,6 +950,48 @@ impl QueuePair {
         Ok(())
     }
 
+    /// [`wait_progress`](Self::wait_progress) for a task, with no thread of its own: arms the
+    /// completion channel, reaps and routes what is there, then waits (as a task) until
+    /// something is routed to `slot`, the channel's fd is readable (then reaps again on the
+    /// next call), or `until`. Any number of tasks wait at once; whichever wakes first reaps
+    /// for all. `Ok(false)`: no tokio reactor to wait on (wait on a blocking thread instead).
+    async fn wait_async(&self, slot: &Slot, until: Instant, want: u8) -> Result<bool> {
+        let Some(fd) = self.cq.reactor() else {
+            return Ok(false);
+        };
+        // enabled before reaping: a completion routed from here on is not missed
+        let notified = slot.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        slot.waiting.store(want, Ordering::Release);
+        // armed before polling: a completion after the poll raises an event on the fd
+        raw::req_notify_cq(&self.cq.cq)
+            .map_err(|e| self.device.err(None, "arm the completion channel", e))?;
+        let mut got = Vec::new();
+        self.cq.poll(&mut got);
+        self.route(&got);
+        if !got.is_empty() || !slot.is_empty() {
+            slot.waiting.store(NOT_WAITING, Ordering::Release);
+            return Ok(true);
+        }
+        let r = tokio::time::timeout_at(until.into(), async {
+            tokio::select! {
+                _ = &mut notified => Ok(()),
+                g = fd.readable() => g.map(|mut g| {
+                    self.cq.take_events();
+                    // the next call arms and polls again before waiting: nothing is lost
+                    g.clear_ready();
+                }),
+            }
+        })
+        .await;
+        slot.waiting.store(NOT_WAITING, Ordering::Release);
+        match r {
+            Ok(Err(_)) => Ok(false), // the reactor went away (its runtime ended)
+            _ => Ok(true),
+        }
+    }
+
     /// Hands reaped completions to the slots their ids name, waking their owners, and frees
     /// their send queue entries (every request is posted signaled, so each completes exactly
     /// once), waking owners waiting for one.
@@ -928,6 +1021,8 @@ impl QueuePair {
             if s.waiting.load(Ordering::Acquire) != NOT_WAITING {
                 s.ready.notify_one();
             }
+            // no syscall: wakes a task waiting on it, else is kept for its next wait
+            s.notify.notify_one();
         }
         for s in slots.values() {
             if s.waiting.load(Ordering::Acquire) == FOR_ENTRIES {
@@ -1154,6 +1249,20 @@ impl std::fmt::Debug for Run {
 }
 
 impl Run {
+    /// Waits as a task until this run may make progress (completions routed to it, send
+    /// queue entries freed), `until` or its deadline passed; then [`pump`](Self::pump) it
+    /// again. `Ok(false)`: no tokio reactor here, pump it on a blocking thread instead.
+    pub async fn wait_async(&self, until: Instant) -> Result<bool> {
+        let want = if self.outstanding > 0 {
+            FOR_COMPLETIONS
+        } else {
+            FOR_ENTRIES
+        };
+        self.qp
+            .wait_async(&self.slot, until.min(self.deadline), want)
+            .await
+    }
+
     /// Posts what fits and reaps completions until every operation completed (`Ok(true)`),
     /// `until` passed with work left (`Ok(false)`: pump again), or it failed: a failed
     /// completion, the run's deadline, or `cancel` (then the queue pair is in ERROR and
@@ -1315,6 +1424,7 @@ mod raw {
     use sideway::ibverbs::queue_pair::{BasicQueuePair, QueuePair as _};
 
     use super::Completion;
+    use tokio::io::unix::AsyncFd;
 
     /// An allocated memory window; deallocated on drop. Holds its PD.
     pub struct Mw {
@@ -1512,6 +1622,17 @@ mod raw {
         } else {
             Err(std::io::Error::from_raw_os_error(r))
         }
+    }
+
+    /// Registers a completion channel's fd with the current tokio runtime's reactor, for
+    /// reading. Panics where the runtime has no I/O driver.
+    pub(super) fn register_channel(
+        fd: super::ChannelFd,
+    ) -> Result<AsyncFd<super::ChannelFd>, tokio::io::unix::AsyncFdRegisterError<super::ChannelFd>>
+    {
+        // SAFETY: the fd is the completion channel's, which `fd` holds (an Arc): it stays open
+        // and names the same channel until the AsyncFd, which owns `fd`, is dropped.
+        unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
     }
 
     /// Reads one event from the (non-blocking) channel; false when there was none.
