@@ -87,6 +87,48 @@ pub struct HandoffTimes {
     pub verified: Option<Instant>,
 }
 
+/// What every connector machine takes from the control link: a message, its own deadline
+/// passing, or the link failing. One driver (`stage.rs`) feeds all six machines through it.
+pub trait LinkEvents {
+    /// When the machine next times out, if it is waiting for anything.
+    fn poll_timeout(&self) -> Option<Instant>;
+    /// A control message for the machine's request arrived at `now`.
+    fn handle_msg(&mut self, now: Instant, msg: Msg);
+    /// The deadline [`LinkEvents::poll_timeout`] named has passed.
+    fn handle_timeout(&mut self, now: Instant);
+    /// The control link failed before a message came.
+    fn link_failed(&mut self, e: HarnessError);
+}
+
+/// Each machine's inherent methods are the trait's.
+macro_rules! link_events {
+    ($($t:ty),*) => {$(
+        impl LinkEvents for $t {
+            fn poll_timeout(&self) -> Option<Instant> {
+                <$t>::poll_timeout(self)
+            }
+            fn handle_msg(&mut self, now: Instant, msg: Msg) {
+                <$t>::handle_msg(self, now, msg)
+            }
+            fn handle_timeout(&mut self, now: Instant) {
+                <$t>::handle_timeout(self, now)
+            }
+            fn link_failed(&mut self, e: HarnessError) {
+                <$t>::link_failed(self, e)
+            }
+        }
+    )*};
+}
+
+link_events!(
+    PacketConsumer,
+    PacketProducer,
+    ec::EcConsumer,
+    ec::EcProducer,
+    kv::KvConsumer,
+    kv::KvProducer
+);
+
 impl HandoffTimes {
     fn span(a: Option<Instant>, b: Option<Instant>) -> Duration {
         match (a, b) {

@@ -33,7 +33,8 @@ use crate::protocol::ec::{
 };
 use crate::protocol::kv::{KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, kv_tensor};
 use crate::protocol::{
-    ConsumerAction, HandoffTimes, PacketConsumer, PacketProducer, ProducerAction, bad_reply,
+    ConsumerAction, HandoffTimes, LinkEvents, PacketConsumer, PacketProducer, ProducerAction,
+    bad_reply,
 };
 use crate::report::Failure;
 
@@ -264,6 +265,23 @@ pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
 /// Now on tokio's clock, as the protocol machines' std instant: the wall clock normally,
 /// virtual time under a paused runtime (the sim transport's runs), so deadlines and timings
 /// follow the simulated fabric.
+/// Feeds a connector machine its next control-link event: the message for `rid`, its own
+/// deadline passing, or the link failing. Waits until the machine's deadline, or `idle` when
+/// it has none.
+async fn next_event(link: &Link, rid: &str, m: &mut impl LinkEvents, idle: Duration) {
+    let until = m
+        .poll_timeout()
+        .map(|d| d.saturating_duration_since(now()))
+        .unwrap_or(idle);
+    match link.recv(rid, until).await {
+        Ok(msg) => m.handle_msg(now(), msg),
+        Err(e) => match m.poll_timeout() {
+            Some(d) if now() >= d => m.handle_timeout(now()),
+            _ => m.link_failed(e),
+        },
+    }
+}
+
 fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
@@ -994,17 +1012,7 @@ impl StageWorker {
                     ConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let until = m
-                .poll_timeout()
-                .map(|d| d.saturating_duration_since(now()))
-                .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(now(), msg),
-                Err(e) => match m.poll_timeout() {
-                    Some(d) if now() >= d => m.handle_timeout(now()),
-                    _ => m.link_failed(e),
-                },
-            }
+            next_event(link, rid, &mut m, self.timeout()).await;
         }
     }
 
@@ -1151,17 +1159,7 @@ impl StageWorker {
                     KvConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let until = m
-                .poll_timeout()
-                .map(|d| d.saturating_duration_since(now()))
-                .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(now(), msg),
-                Err(e) => match m.poll_timeout() {
-                    Some(d) if now() >= d => m.handle_timeout(now()),
-                    _ => m.link_failed(e),
-                },
-            }
+            next_event(link, rid, &mut m, self.timeout()).await;
         }
     }
 
@@ -1307,17 +1305,7 @@ impl StageWorker {
                     EcConsumerAction::Failed(e) => return Err(e),
                 }
             }
-            let until = m
-                .poll_timeout()
-                .map(|d| d.saturating_duration_since(now()))
-                .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(now(), msg),
-                Err(e) => match m.poll_timeout() {
-                    Some(d) if now() >= d => m.handle_timeout(now()),
-                    _ => m.link_failed(e),
-                },
-            }
+            next_event(link, rid, &mut m, self.timeout()).await;
         }
     }
 
@@ -1548,17 +1536,7 @@ impl StageWorker {
                 }
                 continue;
             }
-            let until = m
-                .poll_timeout()
-                .map(|d| d.saturating_duration_since(now()))
-                .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(now(), msg),
-                Err(e) => match m.poll_timeout() {
-                    Some(d) if now() >= d => m.handle_timeout(now()),
-                    _ => m.link_failed(e),
-                },
-            }
+            next_event(link, rid, &mut m, self.timeout()).await;
         }
     }
 
@@ -1715,17 +1693,7 @@ impl StageWorker {
                 }
                 continue;
             }
-            let until = m
-                .poll_timeout()
-                .map(|d| d.saturating_duration_since(now()))
-                .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(now(), msg),
-                Err(e) => match m.poll_timeout() {
-                    Some(d) if now() >= d => m.handle_timeout(now()),
-                    _ => m.link_failed(e),
-                },
-            }
+            next_event(link, rid, &mut m, self.timeout()).await;
         }
     }
 
@@ -1845,17 +1813,7 @@ impl StageWorker {
                 }
                 continue;
             }
-            let until = m
-                .poll_timeout()
-                .map(|d| d.saturating_duration_since(now()))
-                .unwrap_or_else(|| self.timeout());
-            match link.recv(rid, until).await {
-                Ok(msg) => m.handle_msg(now(), msg),
-                Err(e) => match m.poll_timeout() {
-                    Some(d) if now() >= d => m.handle_timeout(now()),
-                    _ => m.link_failed(e),
-                },
-            }
+            next_event(link, rid, &mut m, self.timeout()).await;
         }
     }
 

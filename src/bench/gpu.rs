@@ -58,6 +58,30 @@ where
     Ok((b, o))
 }
 
+/// One measured pair per round of two engine transfers, `base` then `ours`, after two warm-up
+/// rounds.
+async fn interleaved_transfers(
+    iters: usize,
+    size: u64,
+    base: (&Engine, &Request),
+    ours: (&Engine, &Request),
+) -> anyhow::Result<(Samples, Samples)> {
+    let (mut b, mut o) = (Samples::new(size), Samples::new(size));
+    for i in 0..iters + 2 {
+        let t = Instant::now();
+        base.0.transfer(vec![base.1.clone()], OP_TIMEOUT).await?;
+        let tb = t.elapsed();
+        let t = Instant::now();
+        ours.0.transfer(vec![ours.1.clone()], OP_TIMEOUT).await?;
+        let to = t.elapsed();
+        if i >= 2 {
+            b.push(tb);
+            o.push(to);
+        }
+    }
+    Ok((b, o))
+}
+
 fn gpu_engine_config(
     name: &str,
     kind: TransportKind,
@@ -297,19 +321,7 @@ async fn staged_tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
             Request::write(&gsrc, 0, &gw, 0, size),
             Request::write(&hsrc, 0, &hw, 0, size),
         );
-        let (mut base, mut ours) = (Samples::new(size), Samples::new(size));
-        for i in 0..iters + 2 {
-            let t = Instant::now();
-            ha.transfer(vec![hreq.clone()], OP_TIMEOUT).await?;
-            let tb = t.elapsed();
-            let t = Instant::now();
-            ga.transfer(vec![greq.clone()], OP_TIMEOUT).await?;
-            let to = t.elapsed();
-            if i >= 2 {
-                base.push(tb);
-                ours.push(to);
-            }
-        }
+        let (base, ours) = interleaved_transfers(iters, size, (&ha, &hreq), (&ga, &greq)).await?;
         rows.push(Row::new(
             "staged write",
             size,
@@ -325,19 +337,7 @@ async fn staged_tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
             Request::read(&gback, 0, &gr, 0, size),
             Request::read(&hsrc, 0, &hr, 0, size),
         );
-        let (mut base, mut ours) = (Samples::new(size), Samples::new(size));
-        for i in 0..iters + 2 {
-            let t = Instant::now();
-            ha.transfer(vec![hreq.clone()], OP_TIMEOUT).await?;
-            let tb = t.elapsed();
-            let t = Instant::now();
-            ga.transfer(vec![greq.clone()], OP_TIMEOUT).await?;
-            let to = t.elapsed();
-            if i >= 2 {
-                base.push(tb);
-                ours.push(to);
-            }
-        }
+        let (base, ours) = interleaved_transfers(iters, size, (&ha, &hreq), (&ga, &greq)).await?;
         rows.push(Row::new(
             "staged read",
             size,
