@@ -746,50 +746,18 @@ async fn rdma_the_engine_logs_device_port_and_gid_per_peer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_nodes_engine_transfers_over_rdma() {
     use omnirig_transports::{Grant, RdmaConfig, TcpConfig};
-    use std::path::PathBuf;
-    let (Ok(node), Ok(run)) = (
-        std::env::var("SOFTROCE_NODE"),
-        std::env::var("SOFTROCE_RUN"),
+    let Some(nodes) = TwoNodes::from_env(
+        "two_nodes_engine_transfers_over_rdma",
+        "ci/softroce.sh run --vms 2 -- cargo test --features rdma --test engine -- --exact \
+         two_nodes_engine_transfers_over_rdma",
     ) else {
-        eprintln!(
-            "SKIPPED two_nodes_engine_transfers_over_rdma: needs two RoCE nodes; run it with \
-             `ci/softroce.sh run --vms 2 -- cargo test --features rdma --test engine -- --exact \
-             two_nodes_engine_transfers_over_rdma`"
-        );
         return;
     };
-    if std::env::var("SOFTROCE_NODES").as_deref() != Ok("2") {
-        eprintln!("SKIPPED two_nodes_engine_transfers_over_rdma: one VM (pass --vms 2)");
-        return;
-    }
     if common::unavailable("rdma") {
         return;
     }
-    let run = PathBuf::from(run);
-    let wait = |name: &str| {
-        let p = run.join(name);
-        let t = Instant::now();
-        while !p.exists() {
-            assert!(
-                t.elapsed() < Duration::from_secs(180),
-                "the other node never wrote {name}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        std::fs::read(&p).unwrap()
-    };
-    let put = |name: &str, b: &[u8]| {
-        let tmp = run.join(format!("{name}.engine.tmp"));
-        std::fs::write(&tmp, b).unwrap();
-        std::fs::rename(tmp, run.join(name)).unwrap();
-    };
-    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-    let unhex = |l: &str| {
-        (0..l.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&l[i..i + 2], 16).unwrap())
-            .collect::<Vec<u8>>()
-    };
+    let (node, ip, peer) = (&nodes.node, &nodes.ip, &nodes.peer_ip);
+    let (put, wait) = (|n: &str, b: &[u8]| nodes.put(n, b), |n: &str| nodes.wait(n));
     const LEN: u64 = 6 << 20;
     // (local offset, grant offset, len): one byte, a page, a slice plus three, several slices
     const PIECES: [(u64, u64, u64); 4] = [
@@ -798,7 +766,6 @@ async fn two_nodes_engine_transfers_over_rdma() {
         (8192, 3 << 20, (1 << 20) + 3),
         (16384, 8192, 3 << 20),
     ];
-    let ip = std::env::var("SOFTROCE_IP").unwrap();
     let config = |name: &str, tcp: Option<std::net::SocketAddr>| {
         config(name, "rdma", &InProcessStore::new())
             .with(TcpConfig {
@@ -852,7 +819,6 @@ async fn two_nodes_engine_transfers_over_rdma() {
         let mut lines = raw.lines();
         let wg = Grant::from_bytes(&unhex(lines.next().unwrap())).unwrap();
         let rg = Grant::from_bytes(&unhex(lines.next().unwrap())).unwrap();
-        let peer = std::env::var("SOFTROCE_PEER_IP").unwrap();
         let info = e
             .connect_addr(format!("{peer}:18600").parse().unwrap())
             .await

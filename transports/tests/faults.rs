@@ -296,53 +296,20 @@ async fn rules_for_other_tags_leave_transfers_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_nodes_faults_over_rdma() {
     use omnirig_transports::{Grant, RdmaConfig, TcpConfig, TransportKind};
-    use std::path::PathBuf;
-    let (Ok(node), Ok(run)) = (
-        std::env::var("SOFTROCE_NODE"),
-        std::env::var("SOFTROCE_RUN"),
+    let Some(nodes) = TwoNodes::from_env(
+        "two_nodes_faults_over_rdma",
+        "ci/softroce.sh run --vms 2 -- cargo test --features rdma --test faults -- --exact \
+         two_nodes_faults_over_rdma",
     ) else {
-        eprintln!(
-            "SKIPPED two_nodes_faults_over_rdma: needs two RoCE nodes; run it with \
-             `ci/softroce.sh run --vms 2 -- cargo test --features rdma --test faults -- --exact \
-             two_nodes_faults_over_rdma`"
-        );
         return;
     };
-    if std::env::var("SOFTROCE_NODES").as_deref() != Ok("2") {
-        eprintln!("SKIPPED two_nodes_faults_over_rdma: one VM (pass --vms 2)");
-        return;
-    }
     if common::unavailable("rdma") {
         return;
     }
-    let run = PathBuf::from(run);
-    let wait = |name: &str| {
-        let p = run.join(name);
-        let t = Instant::now();
-        while !p.exists() {
-            assert!(
-                t.elapsed() < Duration::from_secs(180),
-                "the other node never wrote {name}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        std::fs::read(&p).unwrap()
-    };
-    let put = |name: &str, b: &[u8]| {
-        let tmp = run.join(format!("{name}.faults.tmp"));
-        std::fs::write(&tmp, b).unwrap();
-        std::fs::rename(tmp, run.join(name)).unwrap();
-    };
-    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-    let unhex = |l: &str| {
-        (0..l.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&l[i..i + 2], 16).unwrap())
-            .collect::<Vec<u8>>()
-    };
+    let (node, ip, peer) = (&nodes.node, &nodes.ip, &nodes.peer_ip);
+    let (put, wait) = (|n: &str, b: &[u8]| nodes.put(n, b), |n: &str| nodes.wait(n));
     // one grant per case: fail_slice, stall, late_write, dead peer
     const CASES: u64 = 4;
-    let ip = std::env::var("SOFTROCE_IP").unwrap();
     let config = |name: &str, tcp: Option<std::net::SocketAddr>| {
         config(name, "rdma", &InProcessStore::new())
             .with(TcpConfig {
@@ -412,7 +379,6 @@ async fn two_nodes_faults_over_rdma() {
             .lines()
             .map(|l| Grant::from_bytes(&unhex(l)).unwrap())
             .collect();
-        let peer = std::env::var("SOFTROCE_PEER_IP").unwrap();
         let info = e
             .connect_addr(format!("{peer}:18610").parse().unwrap())
             .await

@@ -5,6 +5,8 @@
 //! no device each test says it was skipped and how to run it; with OMNIRIG_RDMA_REQUIRED=1 (the
 //! soft-RoCE lane sets it) a missing device fails instead.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -1005,45 +1007,19 @@ fn two_nodes_push_pull_and_revoke() {
         Admit, RdmaConfig, RdmaNode, RdmaServer, RdmaTransport,
     };
     use omnirig_transports::transport::{OpKind, SliceOp, Transport, TransportKind};
-    use std::path::PathBuf;
 
-    let (Ok(node), Ok(run)) = (
-        std::env::var("SOFTROCE_NODE"),
-        std::env::var("SOFTROCE_RUN"),
+    let Some(nodes) = common::TwoNodes::from_env(
+        "two_nodes_push_pull_and_revoke",
+        "ci/softroce.sh run --vms 2 -- <rdma test binary> --exact two_nodes_push_pull_and_revoke",
     ) else {
-        skipped(
-            "two_nodes_push_pull_and_revoke: needs two RoCE nodes; run it with \
-             `ci/softroce.sh run --vms 2 -- <rdma test binary> --exact two_nodes_push_pull_and_revoke`",
-        );
         return;
     };
-    if std::env::var("SOFTROCE_NODES").as_deref() != Ok("2") {
-        skipped("two_nodes_push_pull_and_revoke: one VM (pass --vms 2)");
-        return;
-    }
     let Some(_) = device("two_nodes_push_pull_and_revoke") else {
         return;
     };
-    let run = PathBuf::from(run);
-    let wait = |name: &str| {
-        let p = run.join(name);
-        let t = Instant::now();
-        while !p.exists() {
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "the other node never wrote {name}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        std::fs::read(&p).unwrap()
-    };
-    let put = |name: &str, b: &[u8]| {
-        let tmp = run.join(format!("{name}.tmp"));
-        std::fs::write(&tmp, b).unwrap();
-        std::fs::rename(tmp, run.join(name)).unwrap();
-    };
+    let (node, ip, peer) = (&nodes.node, &nodes.ip, &nodes.peer_ip);
+    let (put, wait) = (|n: &str, b: &[u8]| nodes.put(n, b), |n: &str| nodes.wait(n));
     const LEN: u64 = 4 << 20;
-    let ip = std::env::var("SOFTROCE_IP").unwrap();
     if node == "0" {
         let buf = region((2 * LEN) as usize, |_| 0);
         // the second half holds what node 1 will pull
@@ -1093,10 +1069,14 @@ fn two_nodes_push_pull_and_revoke() {
             keyed(issue(0, Access::Write)),
             keyed(issue(LEN, Access::Read)),
         );
-        let hex = |b: Vec<u8>| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
         put(
             "grants",
-            format!("{}\n{}", hex(wg.to_bytes()), hex(rg.to_bytes())).as_bytes(),
+            format!(
+                "{}\n{}",
+                common::hex(&wg.to_bytes()),
+                common::hex(&rg.to_bytes())
+            )
+            .as_bytes(),
         );
         wait("pushed");
         let got = contents(&buf);
@@ -1122,16 +1102,10 @@ fn two_nodes_push_pull_and_revoke() {
         drop(server);
     } else {
         let raw = wait("grants");
-        let unhex = |l: &str| {
-            (0..l.len())
-                .step_by(2)
-                .map(|i| u8::from_str_radix(&l[i..i + 2], 16).unwrap())
-                .collect::<Vec<u8>>()
-        };
         let text = String::from_utf8(raw).unwrap();
         let mut lines = text.lines();
-        let wg = Grant::from_bytes(&unhex(lines.next().unwrap())).unwrap();
-        let rg = Grant::from_bytes(&unhex(lines.next().unwrap())).unwrap();
+        let wg = Grant::from_bytes(&common::unhex(lines.next().unwrap())).unwrap();
+        let rg = Grant::from_bytes(&common::unhex(lines.next().unwrap())).unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -1139,7 +1113,6 @@ fn two_nodes_push_pull_and_revoke() {
             .unwrap();
         let rn = RdmaNode::open(RdmaConfig::default()).unwrap();
         let tr = RdmaTransport::new(rn);
-        let peer = std::env::var("SOFTROCE_PEER_IP").unwrap();
         tr.add_peer("node0", format!("{peer}:18500").parse().unwrap());
         let desc = SegmentDescriptor::new("node0", 1, vec![], vec![]);
         let link = rt.block_on(tr.connect(desc)).unwrap();

@@ -135,3 +135,75 @@ pub const CANARY: u8 = 0xA5;
 pub async fn idle(e: &Engine) -> Usage {
     e.wait_idle(Duration::from_secs(10)).await.unwrap()
 }
+
+/// One side of two soft-RoCE VMs (`ci/softroce.sh run --vms 2`): which node this is, both
+/// nodes' addresses, and the run folder they share, through which each writes small files
+/// (atomically: written aside, then renamed) that the other waits for.
+pub struct TwoNodes {
+    /// "0" or "1".
+    pub node: String,
+    /// This node's address on the link between the VMs.
+    pub ip: String,
+    /// The other node's address.
+    pub peer_ip: String,
+    run: std::path::PathBuf,
+}
+
+impl TwoNodes {
+    /// This VM's side, or None, after saying on stderr that `test` was SKIPPED and how to run
+    /// it, outside two VMs (a skip, not a failure: the one-VM lane runs the same binaries).
+    pub fn from_env(test: &str, how: &str) -> Option<TwoNodes> {
+        use std::io::Write;
+        let var = |k: &str| std::env::var(k).ok();
+        let why = match (var("SOFTROCE_NODE"), var("SOFTROCE_RUN")) {
+            (Some(node), Some(run)) if var("SOFTROCE_NODES").as_deref() == Some("2") => {
+                return Some(TwoNodes {
+                    node,
+                    ip: var("SOFTROCE_IP").expect("SOFTROCE_IP unset in a two-VM run"),
+                    peer_ip: var("SOFTROCE_PEER_IP")
+                        .expect("SOFTROCE_PEER_IP unset in a two-VM run"),
+                    run: run.into(),
+                });
+            }
+            (Some(_), Some(_)) => "one VM (pass --vms 2)".to_string(),
+            _ => format!("needs two RoCE nodes; run it with `{how}`"),
+        };
+        let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+        None
+    }
+
+    /// Publishes `bytes` as `name` for the other node.
+    pub fn put(&self, name: &str, bytes: &[u8]) {
+        let tmp = self.run.join(format!("{name}.{}.tmp", std::process::id()));
+        std::fs::write(&tmp, bytes).unwrap();
+        std::fs::rename(tmp, self.run.join(name)).unwrap();
+    }
+
+    /// Waits (up to three minutes: the other VM boots and builds its side under TCG) for the
+    /// other node to publish `name`, and returns its bytes.
+    pub fn wait(&self, name: &str) -> Vec<u8> {
+        let p = self.run.join(name);
+        let t = std::time::Instant::now();
+        while !p.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(180),
+                "the other node never wrote {name}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::fs::read(&p).unwrap()
+    }
+}
+
+/// Lower-case hex, for passing grants between nodes as text lines.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The inverse of [`hex`].
+pub fn unhex(l: &str) -> Vec<u8> {
+    (0..l.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&l[i..i + 2], 16).unwrap())
+        .collect()
+}
