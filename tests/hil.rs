@@ -309,9 +309,21 @@ async fn a_node_that_dies_mid_run_fails_its_requests_naming_it() {
         "node-death",
     )
     .unwrap();
-    let runner = Runner::new(scenario).cluster(Arc::new(ClusterLauncher::new(cluster).unwrap()));
+    let finished = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let runner = Runner::new(scenario)
+        .cluster(Arc::new(ClusterLauncher::new(cluster).unwrap()))
+        .count_finished(finished.clone());
     let run = tokio::spawn(async move { runner.run().await });
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Node b dies once requests flow through it (set up, two finished), not after a guessed
+    // delay: a slow machine still sets up when a fixed sleep has run out.
+    let t = std::time::Instant::now();
+    while finished.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+        assert!(
+            t.elapsed() < Duration::from_secs(120) && !run.is_finished(),
+            "no request finished before the kill"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     b.kill();
     let r = tokio::time::timeout(Duration::from_secs(120), run)
         .await
@@ -452,4 +464,138 @@ fn evidence_collects_facts_measures_tcp_and_says_why_for_the_rest() {
     );
     assert!(out.join("tcp/report.json").is_file() && out.join("tcp/index.html").is_file());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A private sshd on 127.0.0.1 (its own host key, one authorized client key, an ssh_config
+/// for the coordinator), stopped when dropped: the `reach: ssh` path run for real.
+struct Sshd {
+    child: Child,
+    dir: PathBuf,
+    port: u16,
+}
+
+impl Sshd {
+    /// None (after saying SKIPPED, or failing under `OMNIRIG_SSH_REQUIRED=1`) where there is
+    /// no sshd binary.
+    fn start(test: &str) -> Option<Sshd> {
+        let sshd = ["/usr/sbin/sshd", "/usr/bin/sshd"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists());
+        let Some(sshd) = sshd else {
+            let msg = format!(
+                "SKIPPED {test}: no sshd (Debian: apt-get install openssh-server); nothing passed"
+            );
+            assert!(
+                std::env::var("OMNIRIG_SSH_REQUIRED").as_deref() != Ok("1"),
+                "OMNIRIG_SSH_REQUIRED=1: {msg}"
+            );
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "{msg}");
+            return None;
+        };
+        let dir = std::env::temp_dir().join(format!("omnirig-sshd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for key in ["host_key", "client_key"] {
+            let st = Command::new("ssh-keygen")
+                .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+                .arg(dir.join(key))
+                .status()
+                .unwrap();
+            assert!(st.success(), "ssh-keygen {key}");
+        }
+        std::fs::copy(dir.join("client_key.pub"), dir.join("authorized_keys")).unwrap();
+        // sshd refuses to start without its privilege separation directory.
+        let _ = std::fs::create_dir_all("/run/sshd");
+        let port = free_port();
+        let d = dir.display();
+        std::fs::write(
+            dir.join("sshd_config"),
+            format!(
+                "Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/host_key\n\
+                 AuthorizedKeysFile {d}/authorized_keys\nPidFile {d}/sshd.pid\nStrictModes no\n\
+                 PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n\
+                 PermitRootLogin prohibit-password\n"
+            ),
+        )
+        .unwrap();
+        let user = String::from_utf8(Command::new("id").arg("-un").output().unwrap().stdout)
+            .unwrap()
+            .trim()
+            .to_owned();
+        std::fs::write(
+            dir.join("ssh_config"),
+            format!(
+                "Host omnirig-ssh-*\n  HostName 127.0.0.1\n  Port {port}\n  User {user}\n  \
+                 IdentityFile {d}/client_key\n  IdentitiesOnly yes\n  \
+                 StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new(sshd)
+            .args(["-D", "-e", "-f"])
+            .arg(dir.join("sshd_config"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(20), "sshd never listened");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(Sshd { child, dir, port })
+    }
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `reach: ssh` for real: the coordinator starts both nodes' agents through `ssh` (a private
+/// sshd on 127.0.0.1, the cluster's `ssh_config`), hands each its secret down stdin, runs a
+/// golden case through them bit-exact with clean pools, and when the coordinator lets go of
+/// its ssh sessions the agents exit with them (their ports close): nothing is left on a node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_started_over_ssh_run_the_cases_and_end_with_their_session() {
+    let Some(sshd) =
+        Sshd::start("agents_started_over_ssh_run_the_cases_and_end_with_their_session")
+    else {
+        return;
+    };
+    let (pa, pb) = (free_port(), free_port());
+    let yaml = format!(
+        "name: two-over-ssh\nsecret: ssh-started-agents-secret\n\
+         coordinator: {{address: 127.0.0.1}}\nssh_config: {}/ssh_config\nnodes:\n  \
+         - {{name: node-a, host: 127.0.0.1, reach: ssh, ssh: omnirig-ssh-a, agent_port: {pa}, stages: [encoder, thinker_prefill, thinker_decode]}}\n  \
+         - {{name: node-b, host: 127.0.0.1, reach: ssh, ssh: omnirig-ssh-b, agent_port: {pb}, stages: [talker, code2wav]}}\n",
+        sshd.dir.display()
+    );
+    let cluster = Cluster::from_yaml(&yaml, "ssh test cluster").unwrap();
+    let agents = start_agents(&cluster, EXE, Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("agents over ssh (sshd on port {}): {e}", sshd.port));
+    assert_eq!(agents.len(), 2, "both agents started through ssh");
+    let launcher = Arc::new(ClusterLauncher::new(cluster).unwrap());
+    let r = Runner::new(Scenario::golden("image_audio", TransportKind::Tcp))
+        .cluster(launcher)
+        .run()
+        .await
+        .unwrap();
+    assert_clean_pass(&r, "over ssh-started agents");
+
+    drop(agents);
+    for port in [pa, pb] {
+        let t = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "the agent on port {port} outlived the ssh session that started it"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
 }

@@ -418,7 +418,14 @@ impl Remote {
             links.push((stage, link));
         }
         for (stage, link) in &links {
-            match link.recv("", SETUP_TIMEOUT).await? {
+            // A stage (or its node) lost during setup ends the run before any request: the
+            // error names the stage and node, not only the closed link.
+            let at = |e: HarnessError| {
+                let i = Stage::ALL.iter().position(|s| s == stage).expect("a stage");
+                let node = nodes[i].as_ref().map(|n| format!(" on node {n}"));
+                setup(format!("{stage}{}: {e}", node.unwrap_or_default()))
+            };
+            match link.recv("", SETUP_TIMEOUT).await.map_err(at)? {
                 Msg::Ready { .. } => {}
                 other => {
                     return Err(setup(format!(

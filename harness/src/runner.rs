@@ -32,6 +32,8 @@ pub struct Runner {
     store: Option<Arc<dyn MetadataStore>>,
     /// The fabric sim hops run on (default: the scenario's, else the built-in one).
     fabric: Option<Arc<Fabric>>,
+    /// Where finished requests are counted as the run goes (see [`Runner::count_finished`]).
+    finished: Option<Arc<AtomicUsize>>,
 }
 
 impl std::fmt::Debug for Runner {
@@ -195,7 +197,16 @@ impl Runner {
             decorators: Decorators::new(),
             store: None,
             fabric: None,
+            finished: None,
         }
+    }
+
+    /// Counts finished requests (passed or failed) into `n` as the run goes: for a caller that
+    /// acts on progress, such as a test that kills a node once requests are flowing, instead of
+    /// guessing with a sleep.
+    pub fn count_finished(mut self, n: Arc<AtomicUsize>) -> Self {
+        self.finished = Some(n);
+        self
     }
 
     /// The fabric the scenario's sim hops run on (in-process runs). Its clock starts when
@@ -348,7 +359,7 @@ impl Runner {
         let sem = Arc::new(tokio::sync::Semaphore::new(self.scenario.concurrency));
         let offsets = self.scenario.arrival_offsets(requests.len());
         let start = tokio::time::Instant::now();
-        let done = Arc::new(AtomicUsize::new(0));
+        let done = self.finished.clone().unwrap_or_default();
         let total = requests.len();
         let mut handles = Vec::new();
         for (r, off) in requests.iter().zip(offsets) {

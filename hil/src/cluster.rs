@@ -39,6 +39,10 @@ pub struct Cluster {
     /// Where engines publish segment descriptors.
     #[serde(default)]
     pub metadata: MetadataConfig,
+    /// For `reach: ssh` nodes: an ssh_config file the coordinator's `ssh` reads instead of the
+    /// user's (`ssh -F FILE`): ports, identities, jump hosts, known-hosts policy.
+    #[serde(default)]
+    pub ssh_config: Option<String>,
     pub nodes: Vec<Node>,
 }
 

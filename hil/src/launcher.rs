@@ -90,6 +90,10 @@ impl StageLauncher for ClusterLauncher {
 /// Agents this coordinator started (`reach: ssh` / `srun`); killed when dropped.
 pub struct StartedAgents {
     children: Vec<(String, tokio::process::Child)>,
+    /// Each agent's stdin, held open for as long as the agents should live: an agent started
+    /// with `--secret-stdin` exits when it closes (dropping these ends them all, even where
+    /// killing the local ssh would not reach the remote process).
+    stdins: Vec<tokio::process::ChildStdin>,
 }
 
 impl StartedAgents {
@@ -105,6 +109,7 @@ impl StartedAgents {
 
 impl Drop for StartedAgents {
     fn drop(&mut self) {
+        self.stdins.clear();
         for (_, c) in &mut self.children {
             let _ = c.start_kill();
         }
@@ -113,8 +118,13 @@ impl Drop for StartedAgents {
 
 /// The command that starts `node`'s agent from the coordinator: `ssh` or `srun` running
 /// `EXE agent --listen HOST:PORT --secret-stdin` (the secret goes down stdin, never into a
-/// command line other users can read). None for `reach: manual`.
-pub fn agent_command(node: &crate::Node, exe: &str) -> Option<tokio::process::Command> {
+/// command line other users can read; the agent exits when that stdin closes, so it ends with
+/// the ssh or srun that started it). None for `reach: manual`.
+pub fn agent_command(
+    cluster: &Cluster,
+    node: &crate::Node,
+    exe: &str,
+) -> Option<tokio::process::Command> {
     let exe = node.omnirig.as_deref().unwrap_or(exe);
     let listen = SocketAddr::new(node.host, node.agent_port).to_string();
     let agent = [exe, "agent", "--listen", &listen, "--secret-stdin"];
@@ -123,6 +133,9 @@ pub fn agent_command(node: &crate::Node, exe: &str) -> Option<tokio::process::Co
         crate::Reach::Ssh => {
             let mut c = tokio::process::Command::new("ssh");
             let dest = node.ssh.clone().unwrap_or_else(|| node.host.to_string());
+            if let Some(f) = &cluster.ssh_config {
+                c.args(["-F", f]);
+            }
             c.args(["-o", "BatchMode=yes", "-T", &dest, "--"]);
             c
         }
@@ -147,9 +160,12 @@ pub async fn start_agents(
 ) -> crate::Result<StartedAgents> {
     use tokio::io::AsyncWriteExt;
     let secret = cluster.secret()?;
-    let mut started = StartedAgents { children: vec![] };
+    let mut started = StartedAgents {
+        children: vec![],
+        stdins: vec![],
+    };
     for node in &cluster.nodes {
-        let Some(mut cmd) = agent_command(node, exe) else {
+        let Some(mut cmd) = agent_command(cluster, node, exe) else {
             continue;
         };
         let fail = |reason: String| crate::HilError::Agent {
@@ -165,6 +181,7 @@ pub async fn start_agents(
                 .write_all(format!("{secret}\n").as_bytes())
                 .await
                 .map_err(|e| fail(format!("handing its agent the secret: {e}")))?;
+            started.stdins.push(stdin);
         }
         started.children.push((node.name.clone(), child));
     }

@@ -63,12 +63,41 @@ pub fn run(args: AgentArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let secret_stdin = args.secret_stdin;
+    let r = rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .with_context(|| format!("agent: binding {listen}"))?;
         println!("omnirig agent listening on {}", listener.local_addr()?);
-        agent.serve(listener).await?;
+        tokio::select! {
+            r = agent.serve(listener) => r?,
+            () = launcher_gone(secret_stdin) => eprintln!(
+                "omnirig agent on {listen}: stdin closed (the ssh or srun that started it \
+                 ended); stopping its stages and exiting"
+            ),
+        }
         anyhow::Ok(())
-    })
+    });
+    // Dropping the runtime drops the tasks holding stage processes, which kills them
+    // (kill_on_drop): an agent never leaves stages behind on its node.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    r
+}
+
+/// Resolves when stdin reaches end of file, for an agent started with `--secret-stdin`: its
+/// launcher (ssh, srun) holds the other end, and when the coordinator ends it the agent must not
+/// linger on the node holding its port. Never resolves otherwise (a hand-started agent runs
+/// until killed).
+async fn launcher_gone(secret_stdin: bool) {
+    if !secret_stdin {
+        return std::future::pending().await;
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    // A plain thread: a blocking read of stdin cannot be cancelled, and the runtime's
+    // shutdown must not wait for it.
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+        let _ = tx.send(());
+    });
+    let _ = rx.await;
 }
