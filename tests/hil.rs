@@ -575,27 +575,87 @@ async fn agents_started_over_ssh_run_the_cases_and_end_with_their_session() {
         sshd.dir.display()
     );
     let cluster = Cluster::from_yaml(&yaml, "ssh test cluster").unwrap();
-    let agents = start_agents(&cluster, EXE, Duration::from_secs(60))
+    agents_run_the_cases_and_end_with_their_launcher(
+        &cluster,
+        2,
+        &format!("ssh, sshd on port {}", sshd.port),
+    )
+    .await;
+}
+
+/// Starts `cluster`'s agents (`started` of them through ssh or srun), runs a golden case
+/// through them bit-exact with clean pools, lets go of the launchers, and checks every
+/// started agent's port closes: the agents ended with their sessions.
+async fn agents_run_the_cases_and_end_with_their_launcher(
+    cluster: &Cluster,
+    started: usize,
+    how: &str,
+) {
+    let agents = start_agents(cluster, EXE, Duration::from_secs(60))
         .await
-        .unwrap_or_else(|e| panic!("agents over ssh (sshd on port {}): {e}", sshd.port));
-    assert_eq!(agents.len(), 2, "both agents started through ssh");
-    let launcher = Arc::new(ClusterLauncher::new(cluster).unwrap());
+        .unwrap_or_else(|e| panic!("agents started by {how}: {e}"));
+    assert_eq!(agents.len(), started, "agents started by {how}");
+    let launcher = Arc::new(ClusterLauncher::new(cluster.clone()).unwrap());
     let r = Runner::new(Scenario::golden("image_audio", TransportKind::Tcp))
         .cluster(launcher)
         .run()
         .await
         .unwrap();
-    assert_clean_pass(&r, "over ssh-started agents");
-
+    assert_clean_pass(&r, &format!("over agents started by {how}"));
     drop(agents);
-    for port in [pa, pb] {
+    for node in cluster
+        .nodes
+        .iter()
+        .filter(|n| n.reach != omnirig_hil::Reach::Manual)
+    {
         let t = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+        while std::net::TcpStream::connect((node.host, node.agent_port)).is_ok() {
             assert!(
                 t.elapsed() < Duration::from_secs(15),
-                "the agent on port {port} outlived the ssh session that started it"
+                "{}'s agent outlived the {how} session that started it",
+                node.name
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// `reach: srun` for real, where a Slurm controller answers (`ci/slurm-local.sh` starts a
+/// one-node one on this machine; `OMNIRIG_SLURM_REQUIRED=1` makes its absence a failure):
+/// node-a is the Slurm node and its agent starts through `srun -w`, node-b's by hand; a golden
+/// case runs through both bit-exact, and node-a's agent ends with its srun.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_started_by_srun_runs_the_cases_and_ends_with_its_step() {
+    let test = "an_agent_started_by_srun_runs_the_cases_and_ends_with_its_step";
+    let slurm_node = Command::new("sinfo")
+        .args(["-h", "-o", "%n"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(|l| l.trim().to_owned()))
+        .filter(|n| !n.is_empty());
+    let Some(slurm_node) = slurm_node else {
+        let msg = format!(
+            "SKIPPED {test}: no Slurm controller answers `sinfo` (ci/slurm-local.sh starts a \
+             one-node Slurm here); nothing passed"
+        );
+        assert!(
+            std::env::var("OMNIRIG_SLURM_REQUIRED").as_deref() != Ok("1"),
+            "OMNIRIG_SLURM_REQUIRED=1: {msg}"
+        );
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "{msg}");
+        return;
+    };
+    let secret = "srun-started-agent-secret";
+    let (pa, pb) = (free_port(), free_port());
+    let yaml = format!(
+        "name: srun-and-manual\nsecret: {secret}\ncoordinator: {{address: 127.0.0.1}}\nnodes:\n  \
+         - {{name: {slurm_node}, host: 127.0.0.1, reach: srun, agent_port: {pa}, stages: [encoder, thinker_prefill, thinker_decode]}}\n  \
+         - {{name: node-b, host: 127.0.0.1, agent_port: {pb}, stages: [talker, code2wav]}}\n"
+    );
+    let cluster = Cluster::from_yaml(&yaml, "srun test cluster").unwrap();
+    let _b = Node::start(pb, secret);
+    agents_run_the_cases_and_end_with_their_launcher(&cluster, 1, "srun").await;
 }

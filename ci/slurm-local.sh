@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# A one-node Slurm on this machine, for the hil test's `reach: srun` case: munged, slurmctld and
+# slurmd (Debian's packages, installed if missing; needs root), configured in DIR with this
+# host's short name as the only node. Prints the SLURM_CONF line to export.
+#   ci/slurm-local.sh start DIR     install if needed, configure, start, wait until srun runs
+#   ci/slurm-local.sh stop DIR      stop what start started
+set -euo pipefail
+cmd=${1:?usage: ci/slurm-local.sh start|stop DIR}
+dir=${2:?usage: ci/slurm-local.sh start|stop DIR}
+
+stop() {
+  for f in "$dir"/ctld.pid "$dir"/d.pid; do
+    [[ -s $f ]] && kill "$(cat "$f")" 2> /dev/null || true
+  done
+}
+
+case $cmd in
+  stop) stop; exit 0 ;;
+  start) ;;
+  *) echo "usage: ci/slurm-local.sh start|stop DIR" >&2; exit 2 ;;
+esac
+
+[[ $(id -u) == 0 ]] || { echo "ci/slurm-local.sh: needs root (slurmd runs jobs as their user)" >&2; exit 1; }
+if ! command -v slurmctld > /dev/null || ! command -v slurmd > /dev/null || ! command -v srun > /dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmd slurmctld \
+      slurm-client munge > /dev/null \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+           --no-install-recommends slurmd slurmctld slurm-client munge > /dev/null; }
+fi
+
+mkdir -p "$dir"/state "$dir"/spool
+host=$(hostname -s)
+cpus=$(nproc)
+cat > "$dir/slurm.conf" << CONF
+ClusterName=omnirig-ci
+SlurmctldHost=$host
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SlurmctldPort=16817
+SlurmdPort=16818
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool
+SlurmctldPidFile=$dir/ctld.pid
+SlurmdPidFile=$dir/d.pid
+SlurmctldLogFile=$dir/slurmctld.log
+SlurmdLogFile=$dir/slurmd.log
+SlurmUser=root
+ReturnToService=2
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+NodeName=$host CPUs=$cpus State=UNKNOWN
+PartitionName=ci Nodes=$host Default=YES MaxTime=INFINITE State=UP
+CONF
+
+# munged: the package made its key; it wants its run directory and to run as munge.
+if ! pgrep -x munged > /dev/null; then
+  mkdir -p /run/munge && chown munge:munge /run/munge
+  su -s /bin/sh munge -c /usr/sbin/munged 2> /dev/null || /usr/sbin/munged --force
+fi
+stop
+export SLURM_CONF=$dir/slurm.conf
+slurmctld -c
+slurmd -c
+for _ in $(seq 1 60); do
+  if timeout 20 srun -N1 -n1 -w "$host" true 2> /dev/null; then
+    echo "export SLURM_CONF=$SLURM_CONF"
+    exit 0
+  fi
+  sleep 1
+done
+echo "ci/slurm-local.sh: srun never ran a step; logs in $dir" >&2
+tail -n 20 "$dir"/slurmctld.log "$dir"/slurmd.log >&2 || true
+exit 1
