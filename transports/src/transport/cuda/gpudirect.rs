@@ -71,13 +71,21 @@ impl Notice {
         if self.0.swap(true, Ordering::AcqRel) {
             return false;
         }
-        tracing::warn!(engine, why = %why, "GPUDirect RDMA unavailable: GPU memory is staged through pinned host memory");
+        // "rdma:" in the message: the hil agent relays the lines that carry it (evidence)
+        tracing::warn!(
+            engine,
+            path = path.name(),
+            why = %why,
+            "rdma: GPUDirect RDMA unavailable: GPU memory is staged through pinned host memory"
+        );
         true
     }
 }
 
 #[cfg(feature = "cuda")]
 pub use probe::{dmabuf_supported, export_dmabuf};
+#[cfg(feature = "cuda")]
+pub(crate) use probe::export_range;
 
 #[cfg(feature = "cuda")]
 mod probe {
@@ -87,6 +95,7 @@ mod probe {
 
     use super::super::driver::Gpu;
     use crate::error::{Error, ErrorKind, Result};
+    use crate::memory::DeviceMemory as _;
     use crate::memory::{PAGE_SIZE, Region};
 
     /// Whether `gpu` can export its memory as dma-bufs.
@@ -114,15 +123,27 @@ mod probe {
                 ),
             ));
         }
+        export_range(gpu, addr, len as usize)
+    }
+
+    /// Exports `addr..addr+len` of `gpu`'s memory (page-aligned; the driver refuses a range
+    /// outside one of its allocations) as a dma-buf fd.
+    pub(crate) fn export_range(gpu: &Gpu, addr: u64, len: usize) -> Result<OwnedFd> {
+        if !addr.is_multiple_of(PAGE_SIZE as u64) || !len.is_multiple_of(PAGE_SIZE) || len == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                format!("a dma-buf range must be whole {PAGE_SIZE}-byte pages: {addr:#x} + {len}"),
+            ));
+        }
         gpu.bind()?;
         let mut fd: i32 = -1;
-        // SAFETY: addr..addr+len lies inside the live device region (checked); the out
-        // pointer is a live local the driver writes an fd number into.
+        // SAFETY: the out pointer is a live local the driver writes an fd number into; the
+        // driver itself checks that addr..addr+len is device memory it allocated.
         unsafe {
             sys::cuMemGetHandleForAddressRange(
                 (&mut fd as *mut i32).cast(),
                 addr,
-                len as usize,
+                len,
                 sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
                 0,
             )
@@ -131,7 +152,10 @@ mod probe {
         .map_err(|e| {
             Error::new(
                 ErrorKind::Resource,
-                format!("CUDA: exporting {len} bytes as a dma-buf: {e:?}"),
+                format!(
+                    "{}: cuMemGetHandleForAddressRange (dma-buf export of {len} bytes): {e:?}",
+                    gpu.describe()
+                ),
             )
         })?;
         if fd < 0 {

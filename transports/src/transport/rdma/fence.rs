@@ -77,7 +77,13 @@ impl FencedGrant {
         access: RemoteAccess,
     ) -> Result<Self> {
         let registration = device.register(region, offset, len, access)?;
-        Ok(Self {
+        Ok(Self::registered(registration, len))
+    }
+
+    /// Fences with a registration made over exactly the granted range (GPU memory: through
+    /// a dma-buf).
+    pub fn registered(registration: MemoryRegistration, len: u64) -> Self {
+        Self {
             key: GrantKey {
                 fence: FenceKind::Region,
                 addr: registration.addr(),
@@ -87,7 +93,7 @@ impl FencedGrant {
             held: Some(Held::Region {
                 _registration: registration,
             }),
-        })
+        }
     }
 
     pub fn key(&self) -> GrantKey {

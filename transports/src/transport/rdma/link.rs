@@ -33,6 +33,7 @@ pub use super::RdmaConfig;
 use super::fence::FencedGrant;
 use super::keys::{Endpoint, GrantKey};
 use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp, Run, flushed};
+use crate::transport::cuda::gpudirect::{Capabilities, Notice, RegistrationPath, decide};
 
 /// Checks a grant access on the target: the engine's admission (grant table, token, expiry,
 /// access kind); returns the buffer's region and the grant. With the seam's `Admission`:
@@ -48,6 +49,15 @@ pub struct RdmaNode {
     local: Mutex<HashMap<usize, Arc<MemoryRegistration>>>,
     /// Fenced grants by epoch, with the wire reference they were issued for.
     granted: Mutex<HashMap<u64, (GrantRef, FencedGrant)>>,
+    /// The engine this node serves (for its log lines); set when the transport starts.
+    engine: std::sync::OnceLock<String>,
+    /// How this engine's GPU memory reaches the device: decided at its first GPU region, and
+    /// turned to staging for good if the device refuses a dma-buf registration.
+    gpu_path: Mutex<Option<RegistrationPath>>,
+    /// Says "staged, because ..." once per engine.
+    notice: Notice,
+    /// Whether the first GPUDirect registration was logged.
+    gpudirect_said: AtomicBool,
 }
 
 impl std::fmt::Debug for RdmaNode {
@@ -89,7 +99,89 @@ impl RdmaNode {
             gid_index,
             local: Mutex::new(HashMap::new()),
             granted: Mutex::new(HashMap::new()),
+            engine: std::sync::OnceLock::new(),
+            gpu_path: Mutex::new(None),
+            notice: Notice::default(),
+            gpudirect_said: AtomicBool::new(false),
         }))
+    }
+
+    fn engine_name(&self) -> &str {
+        self.engine.get().map(String::as_str).unwrap_or("rdma")
+    }
+
+    /// How GPU memory of `region`'s device reaches this RDMA device: GPUDirect RDMA where the
+    /// GPU exports dma-bufs, else staged through pinned host memory (said once, with why).
+    /// Probed at the first GPU region and kept.
+    pub fn gpu_path(&self, region: &Region) -> RegistrationPath {
+        let mut p = self.gpu_path.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(path) = &*p {
+            return path.clone();
+        }
+        let gpu_dmabuf = match region.device() {
+            Some(dev) => dev
+                .dmabuf_supported()
+                .map_err(|e| format!("{}: {}", dev.describe(), e.detail())),
+            None => Err("the region is host memory".into()),
+        };
+        let path = decide(&Capabilities {
+            rdma_built: true,
+            rdma_device: Some(self.device.name().to_string()),
+            gpu_dmabuf,
+        });
+        self.notice.staged_once(self.engine_name(), &path);
+        *p = Some(path.clone());
+        path
+    }
+
+    /// The device refused a dma-buf registration: this engine stages GPU memory from now on.
+    fn fall_back(&self, why: &Error) -> RegistrationPath {
+        let path = RegistrationPath::Staged(format!(
+            "{} refused to register GPU memory: {}",
+            self.device.name(),
+            why.detail()
+        ));
+        *self.gpu_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(path.clone());
+        self.notice.staged_once(self.engine_name(), &path);
+        path
+    }
+
+    /// Whether `region` is GPU memory this engine stages (no registration of its own).
+    fn stages(&self, region: &Region) -> bool {
+        region.is_device() && matches!(self.gpu_path(region), RegistrationPath::Staged(_))
+    }
+
+    /// Registers GPU memory through a dma-buf, or says why not and turns to staging.
+    fn register_gpu(
+        &self,
+        region: &Arc<Region>,
+        offset: u64,
+        len: u64,
+        access: RemoteAccess,
+    ) -> Result<Option<MemoryRegistration>> {
+        if self.stages(region) {
+            return Ok(None);
+        }
+        match self.device.register(region, offset, len, access) {
+            Ok(r) => {
+                if !self.gpudirect_said.swap(true, Ordering::AcqRel) {
+                    tracing::info!(
+                        engine = self.engine_name(),
+                        device = self.device.name(),
+                        gpu = region.device().map(|d| d.describe()).unwrap_or_default(),
+                        path = RegistrationPath::Dmabuf.name(),
+                        "rdma: GPUDirect RDMA: GPU memory is registered with the device as a dma-buf"
+                    );
+                }
+                Ok(Some(r))
+            }
+            // the export or the registration refused (a bad range is the caller's error)
+            Err(e) if e.kind() != ErrorKind::Resource => Err(e),
+            Err(e) => {
+                self.fall_back(&e);
+                Ok(None)
+            }
+        }
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -103,7 +195,14 @@ impl RdmaNode {
     /// The register hook: registers a buffer's region for local use (the source of writes,
     /// the landing of reads).
     pub fn on_register(&self, _buffer: u32, region: &Arc<Region>) -> Result<()> {
-        self.local_registration(region).map(|_| ())
+        if self.stages(region) {
+            return Ok(());
+        }
+        match self.local_registration(region) {
+            // refused: GPU memory stages from now on (said once), the buffer still registers
+            Err(_) if self.stages(region) => Ok(()),
+            r => r.map(|_| ()),
+        }
     }
 
     /// The unregister hook: drops the region's local registration (in-flight slices hold
@@ -134,18 +233,37 @@ impl RdmaNode {
     /// it, as in tools and tests that drive a link directly, are registered on first use).
     pub fn local_registration(&self, region: &Arc<Region>) -> Result<Arc<MemoryRegistration>> {
         if let Some(r) = self.lock_local().get(&region.addr())
-            && Arc::ptr_eq(r.region(), region)
+            && r.is_over(region)
         {
             return Ok(r.clone());
         }
-        let r = Arc::new(self.device.register(
-            region,
-            0,
-            region.len() as u64,
-            RemoteAccess::ReadWrite,
-        )?);
+        let whole = (0, region.len() as u64, RemoteAccess::ReadWrite);
+        let r = if region.is_device() {
+            Arc::new(
+                self.register_gpu(region, whole.0, whole.1, whole.2)?
+                    .ok_or_else(|| self.staged_error(region, "register it for local use"))?,
+            )
+        } else {
+            Arc::new(self.device.register(region, whole.0, whole.1, whole.2)?)
+        };
         self.lock_local().insert(region.addr(), r.clone());
         Ok(r)
+    }
+
+    /// Why GPU memory that this engine stages cannot be `what` directly.
+    fn staged_error(&self, region: &Region, what: &str) -> Error {
+        let why = match self.gpu_path(region) {
+            RegistrationPath::Staged(why) => why,
+            RegistrationPath::Dmabuf => "GPUDirect RDMA refused".into(),
+        };
+        Error::new(
+            ErrorKind::Resource,
+            format!(
+                "rdma: cannot {what}: {} bytes of GPU memory ({}) without GPUDirect RDMA ({why})",
+                region.len(),
+                region.device().map(|d| d.describe()).unwrap_or_default()
+            ),
+        )
     }
 
     /// The key for `grant` over `region`: a memory region registered over exactly the granted
@@ -161,7 +279,24 @@ impl RdmaNode {
             Access::Write => RemoteAccess::Write,
             Access::Read => RemoteAccess::Read,
         };
-        let fenced = FencedGrant::register(&self.device, region, grant.offset, grant.len, access)?;
+        let fenced = if region.is_device() {
+            // Without GPUDirect a peer's one-sided access cannot reach GPU memory (no CPU on
+            // this side to stage it): refused here, naming why, rather than at the first write.
+            match self.register_gpu(region, grant.offset, grant.len, access)? {
+                Some(r) => FencedGrant::registered(r, grant.len),
+                None => {
+                    return Err(self.staged_error(
+                        region,
+                        &format!(
+                            "grant {}+{} of buffer {} to a peer's one-sided access",
+                            grant.offset, grant.len, grant.buffer
+                        ),
+                    ));
+                }
+            }
+        } else {
+            FencedGrant::register(&self.device, region, grant.offset, grant.len, access)?
+        };
         let key = fenced.key();
         self.lock_granted()
             .insert(grant.epoch, (grant.wire(), fenced));
@@ -587,6 +722,7 @@ pub(super) fn start(
             control = %server.addr(),
             "rdma: engine serves its memory through this device"
         );
+        let _ = node.engine.set(engine.engine().to_string());
         let mut t = RdmaTransport::new(node);
         t.addr = Some(server.addr());
         t.secret = Some(secret);
@@ -944,21 +1080,62 @@ impl Shared {
         key: &GrantKey,
         local: &Arc<MemoryRegistration>,
     ) -> Result<Vec<RemoteOp>> {
-        key.remote_addr(op.grant_offset, op.len)?;
+        self.ops_at(op, key, local, op.local_offset, 0, op.len)
+    }
+
+    /// The work requests for `len` bytes of `op` from `part` on (its grant offset + `part`),
+    /// to or from `local` at `local_offset`.
+    fn ops_at(
+        &self,
+        op: &SliceOp,
+        key: &GrantKey,
+        local: &Arc<MemoryRegistration>,
+        local_offset: u64,
+        part: u64,
+        len: u64,
+    ) -> Result<Vec<RemoteOp>> {
+        let grant_offset = op.grant_offset + part;
+        key.remote_addr(grant_offset, len)?;
         let wr = self.node.cfg.work_request_size.max(1) as u64;
-        Ok((0..op.len.div_ceil(wr))
+        Ok((0..len.div_ceil(wr))
             .map(|i| {
                 let off = i * wr;
                 RemoteOp {
                     write: op.kind == OpKind::Write,
                     local: local.clone(),
-                    local_offset: op.local_offset + off,
-                    len: wr.min(op.len - off) as u32,
-                    remote_addr: key.addr + op.grant_offset + off,
+                    local_offset: local_offset + off,
+                    len: wr.min(len - off) as u32,
+                    remote_addr: key.addr + grant_offset + off,
                     rkey: key.rkey,
                 }
             })
             .collect())
+    }
+
+    /// Runs `len` bytes of `op` from `part` on, to or from a registered staging buffer
+    /// (blocking): connects as needed, runs once more on a fresh queue pair if another run's
+    /// failure flushed it, and explains a refusal as [`finish_off_thread`] does.
+    fn run_part(
+        &self,
+        op: &SliceOp,
+        staged: &Arc<MemoryRegistration>,
+        part: u64,
+        len: u64,
+        cancel: &AtomicBool,
+    ) -> Result<()> {
+        let key = Self::op_key(op)?;
+        let mut again = true;
+        loop {
+            let conn = self.connection()?;
+            let ops = self.ops_at(op, &key, staged, 0, part, len)?;
+            let run = conn
+                .qp
+                .start(ops, Instant::now() + self.node.cfg.slice_deadline)?;
+            match self.finish(run, &conn, cancel) {
+                Err(e) if flushed(&e) && again && !cancel.load(Ordering::Acquire) => again = false,
+                r => return r.map_err(|e| self.explain(&conn, op, e)),
+            }
+        }
     }
 
     /// Everything needed is at hand (connected, key known, memory registered): start the run
@@ -974,7 +1151,7 @@ impl Shared {
             .node
             .lock_local()
             .get(&op.local.addr())
-            .filter(|r| Arc::ptr_eq(r.region(), &op.local))
+            .filter(|r| r.is_over(&op.local))
             .cloned()?;
         Some(
             Self::op_key(op)
@@ -1125,6 +1302,53 @@ fn finish_off_thread(
     })
 }
 
+/// A slice whose local memory is GPU memory this engine stages (no GPUDirect RDMA): one staging
+/// buffer at a time from the GPU's pinned pool, copied from the GPU before a write and to it
+/// after a read, registered with the device for that one run. The buffer goes back (after its
+/// registration is dropped) on every path, a dropped future included.
+async fn run_staged(
+    this: Arc<Shared>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    op: SliceOp,
+) -> Result<()> {
+    let _run_permit = permit;
+    let Some(dev) = op.local.device().cloned() else {
+        return Err(Error::new(
+            ErrorKind::Resource,
+            "rdma: only GPU memory is staged",
+        ));
+    };
+    let write = op.kind == OpKind::Write;
+    let pool = dev.staging(write).clone();
+    let mut part = 0u64;
+    while part < op.len {
+        let n = (op.len - part).min(pool.slot_size() as u64);
+        let staged = pool.acquire().await?;
+        if write {
+            op.local
+                .copy_to(op.local_offset + part, staged.region(), 0, n)?;
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        let guard = CancelOnDrop(cancel.clone());
+        let (shared, op2) = (this.clone(), op.clone());
+        let reg = tokio::task::spawn_blocking(move || {
+            let reg = Arc::new(shared.node.device.register_staged(staged, n)?);
+            shared.run_part(&op2, &reg, part, n, &cancel)?;
+            Ok::<_, Error>(reg)
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, format!("rdma staged slice task: {e}")))?
+        .map_err(|e| this.failed(e, &op))?;
+        drop(guard);
+        if !write {
+            let landed = reg.staged().expect("a staging registration");
+            landed.copy_to(0, &op.local, op.local_offset + part, n)?;
+        }
+        part += n;
+    }
+    Ok(())
+}
+
 /// Pumps a posted run to its end as a task, waiting on the completion channel through the
 /// runtime's reactor ([`Run::wait_async`]), and watching the control connection as
 /// [`Shared::finish`] does. `Err` where it continues on a blocking thread: no reactor
@@ -1222,6 +1446,9 @@ impl Link for RdmaLink {
                 .acquire_owned()
                 .await
                 .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
+            if this.node.stages(&op.local) {
+                return run_staged(this, permit, op).await;
+            }
             // posted right here, so a batch's slices go out back to back; alone on the queue
             // pair, a latency-sized slice also spins for its completion here
             let alone = this.runs.available_permits() + 1 >= this.max_runs;
