@@ -430,7 +430,7 @@ fn evidence_collects_facts_measures_tcp_and_says_why_for_the_rest() {
     };
     assert!(why("TCP over").contains("node-a names no netdev"));
     assert!(why("RDMA from").contains("no rdma section"));
-    assert!(why("GPUDirect").contains("cuda"));
+    assert!(why("GPU memory over RDMA").contains("cuda"));
     assert!(why("ib_write_bw").contains("no rdma section"));
     // The tcp run's plots: bandwidth per hop against size, the latency CDF per hop.
     for f in [

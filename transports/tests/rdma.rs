@@ -560,6 +560,18 @@ mod transport {
 
     impl Target {
         fn grant(&self, buffer: u32, len_of: u64, offset: u64, len: u64, access: Access) -> Grant {
+            self.grant_fenced(buffer, len_of, offset, len, access, FenceKind::Region)
+        }
+
+        fn grant_fenced(
+            &self,
+            buffer: u32,
+            len_of: u64,
+            offset: u64,
+            len: u64,
+            access: Access,
+            fence: FenceKind,
+        ) -> Grant {
             let g = self
                 .table
                 .lock()
@@ -588,7 +600,7 @@ mod transport {
                 .unwrap();
             let key =
                 omnirig_transports::transport::rdma::keys::GrantKey::from_bytes(&bytes).unwrap();
-            assert_eq!((key.len, key.fence), (len, FenceKind::Region));
+            assert_eq!((key.len, key.fence), (len, fence));
             g.keys.push(omnirig_transports::grant::GrantKey {
                 kind: TransportKind::Rdma,
                 bytes,
@@ -958,26 +970,6 @@ mod transport {
         }
     }
 
-    fn issue(t: &Target, buffer: u32, len_of: u64, len: u64, access: Access) -> Grant {
-        t.table
-            .lock()
-            .unwrap()
-            .issue(
-                "target",
-                GrantSpec {
-                    buffer,
-                    buffer_len: len_of,
-                    offset: 0,
-                    len,
-                    access,
-                    expires: None,
-                    token: 0x9b0,
-                    lease: false,
-                },
-            )
-            .unwrap()
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[traced_test]
     async fn gpu_memory_without_gpudirect_is_staged_bit_exact_and_said_once() {
@@ -1020,6 +1012,13 @@ mod transport {
         assert!(out.allocated() >= 1, "the write was not staged");
         assert_eq!(out.outstanding(), 0, "staging buffers leaked");
 
+        // a revoked grant is refused on the staged path too, and names why
+        t.revoke(&wg);
+        let e = transfer(&link, OpKind::Write, &src, &wg, 64).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
+        assert_eq!(out.outstanding(), 0);
+        assert_eq!(contents(&dst), got, "a write after revoke changed the target");
+
         // pull into GPU memory, through the inbound staging buffers
         let back = gpu.region(LEN as usize, |_| 0);
         transport.on_register(2, &back).unwrap();
@@ -1028,12 +1027,6 @@ mod transport {
         assert_eq!(contents(&back), contents(&src));
         assert!(gpu.staging(false).allocated() >= 1, "the read was not staged");
         assert_eq!(gpu.staging(false).outstanding(), 0);
-
-        // a revoked grant is refused on the staged path too, and names why
-        t.revoke(&wg);
-        let e = transfer(&link, OpKind::Write, &src, &wg, 64).await.unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
-        assert_eq!(out.outstanding(), 0);
         assert_eq!(gpu.exports.load(Ordering::SeqCst), 1, "probed more than once");
         assert_eq!(init.local_registrations(), 0);
 
@@ -1047,13 +1040,38 @@ mod transport {
         }
         assert_eq!(plain.exports.load(Ordering::SeqCst), 0);
 
-        // the target side: a peer's one-sided access cannot be staged, so a grant over GPU
-        // memory this engine stages is refused when issued, naming why
-        let g = issue(&t, 2, 1 << 20, 4096, Access::Write);
-        let e = t.node.on_grant(&g, &theirs).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Resource, "{e}");
-        assert!(e.detail().contains("without GPUDirect RDMA"), "{e}");
+        // the target side: GPU memory that engine stages is granted through a host bounce
+        // buffer (the key says so); a write reaches the GPU when the target serves the sync that
+        // follows it, a read grant is filled from the GPU when issued
+        t.revoke(&rg);
+        const TLEN: u64 = (1 << 20) - 8192 + 5; // several work requests, odd tail
+        const TOFF: u64 = 4096 + 3;
+        let (a, b) = (TOFF as usize, (TOFF + TLEN) as usize);
+        let hsrc = region(TLEN as usize, pattern(11));
+        let tg = t.grant_fenced(2, 1 << 20, TOFF, TLEN, Access::Write, FenceKind::Staged);
+        transfer(&link, OpKind::Write, &hsrc, &tg, TLEN).await.unwrap();
+        let on_gpu = contents(&theirs);
+        assert_eq!(&on_gpu[a..b], &contents(&hsrc)[..]);
+        assert!(on_gpu[..a].iter().all(|&x| x == 0) && on_gpu[b..].iter().all(|&x| x == 0));
+        t.revoke(&tg);
+        let e = transfer(&link, OpKind::Write, &region(64, |_| 0xEE), &tg, 64)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
+        assert_eq!(contents(&theirs), on_gpu, "a write after revoke reached the GPU");
+        // staged GPU memory read into staged GPU memory: both sides stage
+        let rg2 = t.grant_fenced(2, 1 << 20, TOFF, TLEN, Access::Read, FenceKind::Staged);
+        let gback = gpu.region(TLEN as usize, |_| 0);
+        transfer(&link, OpKind::Read, &gback, &rg2, TLEN).await.unwrap();
+        assert_eq!(contents(&gback), contents(&hsrc));
+        assert_eq!(gpu.staging(false).outstanding(), 0);
+        t.revoke(&rg2);
         assert_eq!(t.node.fenced_grants(), 0);
+        assert_eq!(
+            init.local_registrations(),
+            2,
+            "the two host sources, never GPU memory"
+        );
 
         // said once per engine (the initiator, the second node, the target), never per buffer
         logs_assert(|lines: &[&str]| {

@@ -155,6 +155,11 @@ pub enum FenceKind {
     Window = 1,
     /// A memory region registered over exactly the range (deregistered on revoke).
     Region = 2,
+    /// A memory region over a host bounce buffer standing for GPU memory the target cannot
+    /// register (no GPUDirect RDMA): filled from the GPU when a read grant is issued; after a
+    /// write the initiator asks the target to copy what landed to the GPU (deregistered and
+    /// freed on revoke).
+    Staged = 3,
 }
 
 /// What an initiator needs to reach a granted range with one-sided verbs.
@@ -203,6 +208,7 @@ impl GrantKey {
         let fence = match b[5] {
             1 => FenceKind::Window,
             2 => FenceKind::Region,
+            3 => FenceKind::Staged,
             k => return Err(malformed(what, format!("unknown fence kind {k}"))),
         };
         if b[6] != 0 || b[7] != 0 {

@@ -31,7 +31,7 @@ use crate::transport::{
 pub use super::RdmaConfig;
 
 use super::fence::FencedGrant;
-use super::keys::{Endpoint, GrantKey};
+use super::keys::{Endpoint, FenceKind, GrantKey};
 use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp, Run, flushed};
 use crate::transport::cuda::gpudirect::{Capabilities, Notice, RegistrationPath, decide};
 
@@ -280,19 +280,11 @@ impl RdmaNode {
             Access::Read => RemoteAccess::Read,
         };
         let fenced = if region.is_device() {
-            // Without GPUDirect a peer's one-sided access cannot reach GPU memory (no CPU on
-            // this side to stage it): refused here, naming why, rather than at the first write.
+            // Without GPUDirect the key names a host bounce buffer instead; the initiator asks
+            // for each write to be copied to the GPU (`sync_grant`).
             match self.register_gpu(region, grant.offset, grant.len, access)? {
                 Some(r) => FencedGrant::registered(r, grant.len),
-                None => {
-                    return Err(self.staged_error(
-                        region,
-                        &format!(
-                            "grant {}+{} of buffer {} to a peer's one-sided access",
-                            grant.offset, grant.len, grant.buffer
-                        ),
-                    ));
-                }
+                None => FencedGrant::bounce(&self.device, region, grant.offset, grant.len, access)?,
             }
         } else {
             FencedGrant::register(&self.device, region, grant.offset, grant.len, access)?
@@ -301,6 +293,24 @@ impl RdmaNode {
         self.lock_granted()
             .insert(grant.epoch, (grant.wire(), fenced));
         Ok(key)
+    }
+
+    /// Copies `part..part+len` of a staged grant (GPU memory behind a bounce buffer) from the
+    /// bounce buffer to the GPU, after a peer's write landed there. Runs under the grants'
+    /// lock, so a revoke waits for it, and a grant revoked before it gets no byte.
+    pub fn sync_grant(&self, grant: &GrantRef, part: u64, len: u64) -> Result<()> {
+        let g = self.lock_granted();
+        match g.get(&grant.epoch) {
+            Some((wire, f)) if wire == grant => f.sync(part, len),
+            _ => Err(Error::new(
+                ErrorKind::GrantRevoked,
+                format!(
+                    "rdma: grant epoch {} of buffer {} was revoked before its staged bytes \
+                     reached GPU memory",
+                    grant.epoch, grant.buffer
+                ),
+            )),
+        }
     }
 
     /// The revoke hook: once this returns, the grant's rkey is refused by the device.
@@ -373,6 +383,8 @@ impl RdmaNode {
 
 const REQ_CONNECT: u8 = 1;
 const REQ_RESOLVE: u8 = 2;
+/// After a write into a staged grant: copy what landed in the bounce buffer to the GPU.
+const REQ_SYNC: u8 = 3;
 const MAX_FRAME: usize = 4096;
 
 fn write_frame(s: &mut TcpStream, tag: u8, payload: &[u8]) -> std::io::Result<()> {
@@ -443,6 +455,32 @@ fn encode_resolve(access: Access, g: &GrantRef) -> Vec<u8> {
     b.extend_from_slice(&g.epoch.to_le_bytes());
     b.extend_from_slice(&g.token.to_le_bytes());
     b
+}
+
+/// `[part u64][len u64]` then the write grant's resolve payload.
+fn encode_sync(part: u64, len: u64, g: &GrantRef) -> Vec<u8> {
+    let mut b = Vec::with_capacity(37);
+    b.extend_from_slice(&part.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b.extend_from_slice(&encode_resolve(Access::Write, g));
+    b
+}
+
+fn decode_sync(p: &[u8]) -> Result<(u64, u64, GrantRef)> {
+    if p.len() != 37 {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            format!("rdma sync request of {} bytes, expected 37", p.len()),
+        ));
+    }
+    let u64_at = |i: usize| u64::from_le_bytes(p[i..i + 8].try_into().expect("8 bytes"));
+    match decode_resolve(&p[16..])? {
+        (Access::Write, g) => Ok((u64_at(0), u64_at(8), g)),
+        (Access::Read, _) => Err(Error::new(
+            ErrorKind::Malformed,
+            "rdma sync request for a read grant",
+        )),
+    }
 }
 
 fn decode_resolve(p: &[u8]) -> Result<(Access, GrantRef)> {
@@ -655,6 +693,18 @@ fn serve(
                 let (access, wire) = decode_resolve(&p)?;
                 let (region, grant) = admit(access, wire)?;
                 Ok(node.grant_key(&grant, &region)?.to_bytes())
+            })(),
+            REQ_SYNC => (|| {
+                if !admitted {
+                    return Err(Error::new(
+                        ErrorKind::AccessDenied,
+                        "rdma control: a sync before queue pair setup",
+                    ));
+                }
+                let (part, len, grant) = decode_sync(&p)?;
+                // the engine's admission first: expired, unknown, wrong token
+                admit(Access::Write, grant)?;
+                node.sync_grant(&grant, part, len).map(|_| Vec::new())
             })(),
             k => Err(Error::new(
                 ErrorKind::Malformed,
@@ -1115,10 +1165,12 @@ impl Shared {
     /// Runs `len` bytes of `op` from `part` on, to or from a registered staging buffer
     /// (blocking): connects as needed, runs once more on a fresh queue pair if another run's
     /// failure flushed it, and explains a refusal as [`finish_off_thread`] does.
+    #[allow(clippy::too_many_arguments)]
     fn run_part(
         &self,
         op: &SliceOp,
-        staged: &Arc<MemoryRegistration>,
+        local: &Arc<MemoryRegistration>,
+        local_offset: u64,
         part: u64,
         len: u64,
         cancel: &AtomicBool,
@@ -1127,15 +1179,44 @@ impl Shared {
         let mut again = true;
         loop {
             let conn = self.connection()?;
-            let ops = self.ops_at(op, &key, staged, 0, part, len)?;
+            let ops = self.ops_at(op, &key, local, local_offset, part, len)?;
             let run = conn
                 .qp
                 .start(ops, Instant::now() + self.node.cfg.slice_deadline)?;
             match self.finish(run, &conn, cancel) {
                 Err(e) if flushed(&e) && again && !cancel.load(Ordering::Acquire) => again = false,
-                r => return r.map_err(|e| self.explain(&conn, op, e)),
+                Err(e) => return Err(self.explain(&conn, op, e)),
+                Ok(()) if key.fence == FenceKind::Staged && op.kind == OpKind::Write => {
+                    return self.sync(&conn, op, part, len);
+                }
+                Ok(()) => return Ok(()),
             }
         }
+    }
+
+    /// Asks the target to copy `len` bytes written from `part` of a staged grant to its GPU.
+    fn sync(&self, conn: &Conn, op: &SliceOp, part: u64, len: u64) -> Result<()> {
+        let reply = {
+            let mut s = conn.control.lock().unwrap_or_else(|p| p.into_inner());
+            write_frame(
+                &mut s,
+                REQ_SYNC,
+                &encode_sync(op.grant_offset + part, len, &op.grant),
+            )
+            .map_err(|e| io_err("ask for a staged write's copy to GPU memory", e))?;
+            read_frame(&mut s)?
+        };
+        match reply {
+            (0, _) => Ok(()),
+            (_, p) => Err(decode_error(&p)),
+        }
+    }
+
+    /// Whether `op` goes through [`run_staged`]: its local memory is GPU memory this engine
+    /// stages, or its grant is staged on the target (each write is followed by a sync).
+    fn needs_staging(&self, op: &SliceOp) -> bool {
+        self.node.stages(&op.local)
+            || Self::op_key(op).is_ok_and(|k| k.fence == FenceKind::Staged)
     }
 
     /// Everything needed is at hand (connected, key known, memory registered): start the run
@@ -1305,18 +1386,30 @@ fn finish_off_thread(
 /// A slice whose local memory is GPU memory this engine stages (no GPUDirect RDMA): one staging
 /// buffer at a time from the GPU's pinned pool, copied from the GPU before a write and to it
 /// after a read, registered with the device for that one run. The buffer goes back (after its
-/// registration is dropped) on every path, a dropped future included.
+/// registration is dropped) on every path, a dropped future included. A write into a grant
+/// the target stages is followed by a sync (the target copies it to its GPU), either way.
 async fn run_staged(
     this: Arc<Shared>,
     permit: tokio::sync::OwnedSemaphorePermit,
     op: SliceOp,
 ) -> Result<()> {
     let _run_permit = permit;
-    let Some(dev) = op.local.device().cloned() else {
-        return Err(Error::new(
-            ErrorKind::Resource,
-            "rdma: only GPU memory is staged",
-        ));
+    let dev = match op.local.device() {
+        Some(dev) if this.node.stages(&op.local) => dev.clone(),
+        // local memory the device registers; only the target stages (the run, then a sync)
+        _ => {
+            let cancel = Arc::new(AtomicBool::new(false));
+            let guard = CancelOnDrop(cancel.clone());
+            let (shared, op2) = (this.clone(), op.clone());
+            let r = tokio::task::spawn_blocking(move || {
+                let local = shared.node.local_registration(&op2.local)?;
+                shared.run_part(&op2, &local, op2.local_offset, 0, op2.len, &cancel)
+            })
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma staged slice task: {e}")))?;
+            drop(guard);
+            return r.map_err(|e| this.failed(e, &op));
+        }
     };
     let write = op.kind == OpKind::Write;
     let pool = dev.staging(write).clone();
@@ -1333,7 +1426,7 @@ async fn run_staged(
         let (shared, op2) = (this.clone(), op.clone());
         let reg = tokio::task::spawn_blocking(move || {
             let reg = Arc::new(shared.node.device.register_staged(staged, n)?);
-            shared.run_part(&op2, &reg, part, n, &cancel)?;
+            shared.run_part(&op2, &reg, 0, part, n, &cancel)?;
             Ok::<_, Error>(reg)
         })
         .await
@@ -1446,7 +1539,7 @@ impl Link for RdmaLink {
                 .acquire_owned()
                 .await
                 .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
-            if this.node.stages(&op.local) {
+            if this.needs_staging(&op) {
                 return run_staged(this, permit, op).await;
             }
             // posted right here, so a batch's slices go out back to back; alone on the queue
@@ -1472,6 +1565,9 @@ impl Link for RdmaLink {
             return None;
         }
         let this = self.lane();
+        if this.needs_staging(op) {
+            return None;
+        }
         // only when nothing else is under way on the queue pair: a batch's slices are posted
         // back to back by `execute` instead of each waiting for the one before
         if !this.idle() {
