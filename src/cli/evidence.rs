@@ -86,7 +86,8 @@ struct GpuHop {
     detail: String,
 }
 
-const GPU_DIRECT: &str = "GPUDirect RDMA (the NIC reads and writes GPU memory, registered as a dma-buf)";
+const GPU_DIRECT: &str =
+    "GPUDirect RDMA (the NIC reads and writes GPU memory, registered as a dma-buf)";
 const GPU_STAGED: &str = "STAGED through pinned host memory (not GPUDirect)";
 const GPU_NOT_RUN: &str = "not run";
 
@@ -228,9 +229,8 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
                     .map_err(|e| format!("the run failed to start: {e}"))
             }
         };
-        let measure = |l: Arc<dyn StageLauncher>, t: TransportKind| {
-            measure_in(l, t, StageMemory::Host)
-        };
+        let measure =
+            |l: Arc<dyn StageLauncher>, t: TransportKind| measure_in(l, t, StageMemory::Host);
         let mut runs: Vec<(&str, PathRun)> = Vec::new();
         runs.push((
             PATH_TCP,
@@ -587,8 +587,16 @@ fn gpu_hops(hops: &[omnirig_harness::HopSummary], logs: &[NodeLog]) -> Vec<GpuHo
                 };
             };
             let ends = [
-                (kind.source(), "out", engine_gpu_path(logs, kind.source(), "out")),
-                (kind.target(), "in", engine_gpu_path(logs, kind.target(), "in")),
+                (
+                    kind.source(),
+                    "out",
+                    engine_gpu_path(logs, kind.source(), "out"),
+                ),
+                (
+                    kind.target(),
+                    "in",
+                    engine_gpu_path(logs, kind.target(), "in"),
+                ),
             ];
             let mut staged = Vec::new();
             let mut direct = Vec::new();
@@ -949,7 +957,13 @@ fn gpu_hop_table(s: &mut String, hops: &[GpuHop]) {
     let _ = writeln!(s, "\n  | hop | GPU path | detail |");
     let _ = writeln!(s, "  |---|---|---|");
     for h in hops {
-        let _ = writeln!(s, "  | {} | {} | {} |", h.hop, h.path, h.detail.replace('|', "/"));
+        let _ = writeln!(
+            s,
+            "  | {} | {} | {} |",
+            h.hop,
+            h.path,
+            h.detail.replace('|', "/")
+        );
     }
 }
 
@@ -1251,9 +1265,15 @@ mod tests {
                 ("talker_to_code2wav", GPU_NOT_RUN),
             ]
         );
-        assert!(got[0].detail.contains("encoder (out, on node-a)"), "{}", got[0].detail);
         assert!(
-            got[1].detail.contains("thinker_decode (in, on node-b) staged")
+            got[0].detail.contains("encoder (out, on node-a)"),
+            "{}",
+            got[0].detail
+        );
+        assert!(
+            got[1]
+                .detail
+                .contains("thinker_decode (in, on node-b) staged")
                 && got[1].detail.contains("Operation not supported"),
             "{}",
             got[1].detail
@@ -1266,10 +1286,17 @@ mod tests {
         // the labels cannot be mistaken for one another
         assert!(!GPU_STAGED.contains("GPUDirect RDMA (") && !GPU_NOT_RUN.contains("GPUDirect"));
         // an engine that turned to staging after a refused registration: its last line wins
-        let later = [line(DIRECT, "encoder", "out"), line(STAGED, "encoder", "out")];
-        let logs = [log("n", &later.iter().map(String::as_str).collect::<Vec<_>>())];
+        let later = [
+            line(DIRECT, "encoder", "out"),
+            line(STAGED, "encoder", "out"),
+        ];
+        let logs = [log(
+            "n",
+            &later.iter().map(String::as_str).collect::<Vec<_>>(),
+        )];
         assert_eq!(
-            engine_gpu_path(&logs, Stage::Encoder, "out").map(|(_, p)| matches!(p, EngineGpuPath::Staged(_))),
+            engine_gpu_path(&logs, Stage::Encoder, "out")
+                .map(|(_, p)| matches!(p, EngineGpuPath::Staged(_))),
             Some(true)
         );
         assert_eq!(engine_gpu_path(&logs, Stage::Encoder, "in"), None);

@@ -85,9 +85,9 @@ pub trait DeviceMemory: Send + Sync + 'static {
         Ok(false)
     }
 
-    /// Exports `addr..addr+len` (page-aligned, inside one allocation of this device) as a
-    /// dma-buf fd. Default: refused.
-    fn export_dmabuf(&self, addr: usize, len: usize) -> Result<std::os::fd::OwnedFd> {
+    /// Exports a dma-buf that covers `addr..addr+len` (memory of one allocation of this
+    /// device): the fd, and where `addr` sits in it. Default: refused.
+    fn export_dmabuf(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
         let _ = (addr, len);
         Err(Error::new(
             ErrorKind::Resource,
@@ -528,9 +528,8 @@ impl Region {
     }
 
     /// Exports `offset..offset+len` of GPU memory as a dma-buf for an RDMA device
-    /// (`ibv_reg_dmabuf_mr`): the fd and where the range's first byte sits in it. The export
-    /// covers whole pages around the range (the driver wants page-aligned ranges; device regions
-    /// start on a page and their allocation is rounded up to one, so the pages are ours), and
+    /// (`ibv_reg_dmabuf_mr`): the fd and where the range's first byte sits in it. The device
+    /// decides how much it exports around the range (whole pages, or its whole allocation);
     /// the caller registers exactly the range, so the HCA's bounds stay the grant's.
     pub fn export_dmabuf(&self, offset: u64, len: u64) -> Result<(std::os::fd::OwnedFd, u64)> {
         let Some(dev) = &self.device else {
@@ -546,18 +545,7 @@ impl Region {
                 "cannot export an empty range as a dma-buf",
             ));
         }
-        let page = PAGE_SIZE;
-        if !self.addr().is_multiple_of(page) {
-            return Err(Error::new(
-                ErrorKind::InvalidLength,
-                format!("{}: the region does not start on a page", dev.describe()),
-            ));
-        }
-        let start = off - off % page;
-        // off + n <= len (checked), so this cannot overflow past the rounded allocation.
-        let end = (off + n).next_multiple_of(page);
-        let fd = dev.export_dmabuf(self.addr() + start, end - start)?;
-        Ok((fd, (off - start) as u64))
+        dev.export_dmabuf(self.addr() + off, n)
     }
 
     fn mlock(&self) -> bool {
@@ -699,16 +687,17 @@ mod tests {
         fn staging(&self, _outbound: bool) -> &Arc<crate::staging::StagingPool> {
             &self.pool
         }
-        fn export_dmabuf(&self, addr: usize, len: usize) -> Result<std::os::fd::OwnedFd> {
+        fn export_dmabuf(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
             self.asked.lock().unwrap().push((addr, len));
             let f = std::fs::File::open("/dev/null")
                 .map_err(|e| Error::new(ErrorKind::Io, e.to_string()))?;
-            Ok(f.into())
+            // like the CUDA device: the pages around the range
+            Ok((f.into(), (addr % PAGE_SIZE) as u64))
         }
     }
 
     #[test]
-    fn a_dmabuf_export_covers_whole_pages_and_says_where_the_range_starts() {
+    fn a_dmabuf_export_asks_the_device_for_the_range_and_says_where_it_starts() {
         let dev = Arc::new(Exporter {
             asked: Default::default(),
             pool: crate::staging::StagingPool::new(
@@ -725,17 +714,19 @@ mod tests {
         // SAFETY: `host` backs the region and lives as long as it; the test device never
         // dereferences the address.
         let r = unsafe { Region::from_device(base, 3 * PAGE_SIZE + 10, d, host) }.unwrap();
-        let (_, at) = r.export_dmabuf(PAGE_SIZE as u64 + 100, 2 * PAGE_SIZE as u64 - 200).unwrap();
+        let (_, at) = r
+            .export_dmabuf(PAGE_SIZE as u64 + 100, 2 * PAGE_SIZE as u64 - 200)
+            .unwrap();
         assert_eq!(at, 100);
         let (_, at) = r.export_dmabuf(0, 3 * PAGE_SIZE as u64 + 10).unwrap();
         assert_eq!(at, 0);
         assert_eq!(
             *dev.asked.lock().unwrap(),
             vec![
-                (base + PAGE_SIZE, 2 * PAGE_SIZE),
-                (base, 4 * PAGE_SIZE)
+                (base + PAGE_SIZE + 100, 2 * PAGE_SIZE - 200),
+                (base, 3 * PAGE_SIZE + 10)
             ],
-            "page-rounded ranges"
+            "the device is asked for exactly the range"
         );
         for (off, len, kind) in [
             (0, 3 * PAGE_SIZE as u64 + 11, ErrorKind::OutOfBuffer),
@@ -750,6 +741,10 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Resource);
         assert!(e.detail().contains("only GPU memory"), "{e}");
-        assert_eq!(dev.asked.lock().unwrap().len(), 2, "refusals export nothing");
+        assert_eq!(
+            dev.asked.lock().unwrap().len(),
+            2,
+            "refusals export nothing"
+        );
     }
 }

@@ -946,7 +946,12 @@ mod transport {
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
             Ok(())
         }
-        unsafe fn copy_raw(&self, dst: usize, src: usize, len: usize) -> omnirig_transports::Result<()> {
+        unsafe fn copy_raw(
+            &self,
+            dst: usize,
+            src: usize,
+            len: usize,
+        ) -> omnirig_transports::Result<()> {
             // SAFETY: as above; the ranges do not overlap (the caller's contract).
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
             Ok(())
@@ -957,7 +962,11 @@ mod transport {
         fn dmabuf_supported(&self) -> omnirig_transports::Result<bool> {
             Ok(self.dmabuf)
         }
-        fn export_dmabuf(&self, _addr: usize, len: usize) -> omnirig_transports::Result<OwnedFd> {
+        fn export_dmabuf(
+            &self,
+            _addr: usize,
+            len: usize,
+        ) -> omnirig_transports::Result<(OwnedFd, u64)> {
             self.exports.fetch_add(1, Ordering::SeqCst);
             // SAFETY: plain syscall with a valid C string; the fd is ours.
             let fd = unsafe { libc::memfd_create(c"not-a-dmabuf".as_ptr(), 0) };
@@ -965,8 +974,11 @@ mod transport {
             // SAFETY: just opened, owned here.
             let fd = unsafe { OwnedFd::from_raw_fd(fd) };
             // SAFETY: fd is a live memfd.
-            assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) }, 0);
-            Ok(fd)
+            assert_eq!(
+                unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) },
+                0
+            );
+            Ok((fd, 0))
         }
     }
 
@@ -999,13 +1011,22 @@ mod transport {
         };
         assert!(why.contains("refused to register GPU memory"), "{why}");
         assert!(why.contains("ibv_reg_dmabuf_mr"), "{why}");
-        assert_eq!(init.local_registrations(), 0, "GPU memory registered directly");
+        assert_eq!(
+            init.local_registrations(),
+            0,
+            "GPU memory registered directly"
+        );
 
         // push from GPU memory, through the outbound staging buffers, bit-exact
         let wg = t.grant(1, BUF, OFF, LEN, Access::Write);
-        transfer(&link, OpKind::Write, &src, &wg, LEN).await.unwrap();
+        transfer(&link, OpKind::Write, &src, &wg, LEN)
+            .await
+            .unwrap();
         let got = contents(&dst);
-        assert_eq!(&got[OFF as usize..(OFF + LEN) as usize], &contents(&src)[..]);
+        assert_eq!(
+            &got[OFF as usize..(OFF + LEN) as usize],
+            &contents(&src)[..]
+        );
         assert!(got[..OFF as usize].iter().all(|&x| x == 0));
         assert!(got[(OFF + LEN) as usize..].iter().all(|&x| x == 0));
         let out = gpu.staging(true);
@@ -1014,20 +1035,35 @@ mod transport {
 
         // a revoked grant is refused on the staged path too, and names why
         t.revoke(&wg);
-        let e = transfer(&link, OpKind::Write, &src, &wg, 64).await.unwrap_err();
+        let e = transfer(&link, OpKind::Write, &src, &wg, 64)
+            .await
+            .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
         assert_eq!(out.outstanding(), 0);
-        assert_eq!(contents(&dst), got, "a write after revoke changed the target");
+        assert_eq!(
+            contents(&dst),
+            got,
+            "a write after revoke changed the target"
+        );
 
         // pull into GPU memory, through the inbound staging buffers
         let back = gpu.region(LEN as usize, |_| 0);
         transport.on_register(2, &back).unwrap();
         let rg = t.grant(1, BUF, OFF, LEN, Access::Read);
-        transfer(&link, OpKind::Read, &back, &rg, LEN).await.unwrap();
+        transfer(&link, OpKind::Read, &back, &rg, LEN)
+            .await
+            .unwrap();
         assert_eq!(contents(&back), contents(&src));
-        assert!(gpu.staging(false).allocated() >= 1, "the read was not staged");
+        assert!(
+            gpu.staging(false).allocated() >= 1,
+            "the read was not staged"
+        );
         assert_eq!(gpu.staging(false).outstanding(), 0);
-        assert_eq!(gpu.exports.load(Ordering::SeqCst), 1, "probed more than once");
+        assert_eq!(
+            gpu.exports.load(Ordering::SeqCst),
+            1,
+            "probed more than once"
+        );
         assert_eq!(init.local_registrations(), 0);
 
         // a GPU that cannot export: staged from the start, without trying
@@ -1035,7 +1071,9 @@ mod transport {
         let t2 = RdmaNode::open(RdmaConfig::default()).unwrap();
         let r = plain.region(4096, |_| 1);
         match t2.gpu_path(&r) {
-            RegistrationPath::Staged(why) => assert!(why.contains("cannot export dma-bufs"), "{why}"),
+            RegistrationPath::Staged(why) => {
+                assert!(why.contains("cannot export dma-bufs"), "{why}")
+            }
             p => panic!("{p:?}"),
         }
         assert_eq!(plain.exports.load(Ordering::SeqCst), 0);
@@ -1049,7 +1087,9 @@ mod transport {
         let (a, b) = (TOFF as usize, (TOFF + TLEN) as usize);
         let hsrc = region(TLEN as usize, pattern(11));
         let tg = t.grant_fenced(2, 1 << 20, TOFF, TLEN, Access::Write, FenceKind::Staged);
-        transfer(&link, OpKind::Write, &hsrc, &tg, TLEN).await.unwrap();
+        transfer(&link, OpKind::Write, &hsrc, &tg, TLEN)
+            .await
+            .unwrap();
         let on_gpu = contents(&theirs);
         assert_eq!(&on_gpu[a..b], &contents(&hsrc)[..]);
         assert!(on_gpu[..a].iter().all(|&x| x == 0) && on_gpu[b..].iter().all(|&x| x == 0));
@@ -1058,11 +1098,17 @@ mod transport {
             .await
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
-        assert_eq!(contents(&theirs), on_gpu, "a write after revoke reached the GPU");
+        assert_eq!(
+            contents(&theirs),
+            on_gpu,
+            "a write after revoke reached the GPU"
+        );
         // staged GPU memory read into staged GPU memory: both sides stage
         let rg2 = t.grant_fenced(2, 1 << 20, TOFF, TLEN, Access::Read, FenceKind::Staged);
         let gback = gpu.region(TLEN as usize, |_| 0);
-        transfer(&link, OpKind::Read, &gback, &rg2, TLEN).await.unwrap();
+        transfer(&link, OpKind::Read, &gback, &rg2, TLEN)
+            .await
+            .unwrap();
         assert_eq!(contents(&gback), contents(&hsrc));
         assert_eq!(gpu.staging(false).outstanding(), 0);
         t.revoke(&rg2);

@@ -364,8 +364,8 @@ impl DeviceMemory for Gpu {
         super::gpudirect::dmabuf_supported(self)
     }
 
-    fn export_dmabuf(&self, addr: usize, len: usize) -> Result<std::os::fd::OwnedFd> {
-        super::gpudirect::export_range(self, addr as u64, len)
+    fn export_dmabuf(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
+        super::gpudirect::export_around(self, addr as u64, len)
     }
 }
 

@@ -83,9 +83,9 @@ impl Notice {
 }
 
 #[cfg(feature = "cuda")]
-pub use probe::{dmabuf_supported, export_dmabuf};
+pub(crate) use probe::export_around;
 #[cfg(feature = "cuda")]
-pub(crate) use probe::export_range;
+pub use probe::{dmabuf_supported, export_dmabuf};
 
 #[cfg(feature = "cuda")]
 mod probe {
@@ -124,6 +124,59 @@ mod probe {
             ));
         }
         export_range(gpu, addr, len as usize)
+    }
+
+    /// A dma-buf covering `addr..addr+len` of `gpu`'s memory, and where `addr` sits in it: the
+    /// whole pages around the range, or, where the driver refuses that (on the H200 with
+    /// driver 580 a page-aligned range not at its allocation's start was refused), the whole
+    /// allocation the range lies in (`cuMemGetAddressRange`, page-rounded, as UCX exports).
+    pub(crate) fn export_around(gpu: &Gpu, addr: u64, len: usize) -> Result<(OwnedFd, u64)> {
+        let page = PAGE_SIZE as u64;
+        let end = addr
+            .checked_add(len as u64)
+            .filter(|_| len > 0)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidLength,
+                    format!("a dma-buf of {len} bytes at {addr:#x}"),
+                )
+            })?;
+        let start = addr - addr % page;
+        let first = match export_range(gpu, start, (end.next_multiple_of(page) - start) as usize) {
+            Ok(fd) => return Ok((fd, addr - start)),
+            Err(e) => e,
+        };
+        gpu.bind()?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: out pointers are live locals; the driver looks the address up.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
+            .result()
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Resource,
+                    format!("{}; cuMemGetAddressRange({addr:#x}): {e:?}", first.detail()),
+                )
+            })?;
+        if end > base + size as u64 {
+            return Err(Error::new(
+                ErrorKind::OutOfBuffer,
+                format!("{addr:#x} + {len} runs past its allocation {base:#x} + {size}"),
+            ));
+        }
+        let whole = base - base % page;
+        let whole_end = (base + size as u64).next_multiple_of(page);
+        export_range(gpu, whole, (whole_end - whole) as usize)
+            .map(|fd| (fd, addr - whole))
+            .map_err(|e| {
+                Error::new(
+                    e.kind(),
+                    format!(
+                        "{}; then the whole allocation: {}",
+                        first.detail(),
+                        e.detail()
+                    ),
+                )
+            })
     }
 
     /// Exports `addr..addr+len` of `gpu`'s memory (page-aligned; the driver refuses a range

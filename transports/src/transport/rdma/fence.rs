@@ -113,9 +113,8 @@ impl FencedGrant {
         access: RemoteAccess,
     ) -> Result<Self> {
         gpu.check(offset, len)?;
-        let n = usize::try_from(len).map_err(|_| {
-            Error::new(ErrorKind::Resource, format!("a {len} byte bounce buffer"))
-        })?;
+        let n = usize::try_from(len)
+            .map_err(|_| Error::new(ErrorKind::Resource, format!("a {len} byte bounce buffer")))?;
         crate::memory::check_available(n)?;
         let bounce = Arc::new(Region::allocate(n, false)?);
         if access != RemoteAccess::Write {

@@ -383,6 +383,11 @@ mod tests {
         let b = k.to_bytes();
         assert_eq!(b.len(), GrantKey::ENCODED_LEN);
         assert_eq!(GrantKey::from_bytes(&b).unwrap(), k);
+        let staged = GrantKey {
+            fence: FenceKind::Staged,
+            ..k
+        };
+        assert_eq!(GrantKey::from_bytes(&staged.to_bytes()).unwrap(), staged);
         assert_eq!(k.remote_addr(4000, 96).unwrap(), 0x7f00_0000_1000 + 4000);
         for (off, len) in [(4000, 97), (4096, 1), (0, 0), (u64::MAX, 2)] {
             assert_eq!(
@@ -443,10 +448,10 @@ mod tests {
             (
                 {
                     let mut b = good.clone();
-                    b[5] = 3;
+                    b[5] = 4;
                     b
                 },
-                "fence kind 3",
+                "fence kind 4",
             ),
             (
                 {

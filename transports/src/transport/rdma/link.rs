@@ -1215,8 +1215,7 @@ impl Shared {
     /// Whether `op` goes through [`run_staged`]: its local memory is GPU memory this engine
     /// stages, or its grant is staged on the target (each write is followed by a sync).
     fn needs_staging(&self, op: &SliceOp) -> bool {
-        self.node.stages(&op.local)
-            || Self::op_key(op).is_ok_and(|k| k.fence == FenceKind::Staged)
+        self.node.stages(&op.local) || Self::op_key(op).is_ok_and(|k| k.fence == FenceKind::Staged)
     }
 
     /// Everything needed is at hand (connected, key known, memory registered): start the run

@@ -268,17 +268,14 @@ impl Device {
         // range inside it (export_dmabuf). The kernel takes its own reference to the dma-buf
         // for the MR, so closing fd after this call is fine, and the registration holds an Arc
         // of the region, so the device allocation outlives the MR (deregistered on drop).
-        let mr = unsafe {
-            self.pd
-                .reg_dmabuf_mr(at, n, iova, fd.as_raw_fd(), flags)
-        }
-        .map_err(|e| {
-            self.err(
-                None,
-                &format!("ibv_reg_dmabuf_mr of {n} bytes of GPU memory"),
-                chain(&e),
-            )
-        })?;
+        let mr =
+            unsafe { self.pd.reg_dmabuf_mr(at, n, iova, fd.as_raw_fd(), flags) }.map_err(|e| {
+                self.err(
+                    None,
+                    &format!("ibv_reg_dmabuf_mr of {n} bytes of GPU memory"),
+                    chain(&e),
+                )
+            })?;
         Ok(MemoryRegistration {
             mr,
             memory: Kept::Region(region.clone()),
@@ -421,9 +418,10 @@ impl MemoryRegistration {
     /// Checks `local_offset..+len` (from the registration's first byte) lies inside the
     /// memory it keeps.
     fn check(&self, local_offset: u64, len: u64) -> Result<()> {
-        let at = self.offset.checked_add(local_offset).ok_or_else(|| {
-            Error::new(ErrorKind::OutOfBuffer, "rdma: local offset overflows")
-        })?;
+        let at = self
+            .offset
+            .checked_add(local_offset)
+            .ok_or_else(|| Error::new(ErrorKind::OutOfBuffer, "rdma: local offset overflows"))?;
         match &self.memory {
             Kept::Region(r) => r.check(at, len).map(|_| ()),
             Kept::Staged(s) => s.region().check(at, len).map(|_| ()),
