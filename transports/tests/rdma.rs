@@ -974,10 +974,8 @@ mod transport {
             // SAFETY: just opened, owned here.
             let fd = unsafe { OwnedFd::from_raw_fd(fd) };
             // SAFETY: fd is a live memfd.
-            assert_eq!(
-                unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) },
-                0
-            );
+            let sized = unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) };
+            assert_eq!(sized, 0);
             Ok((fd, 0))
         }
     }
