@@ -12,9 +12,9 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use anyhow::Context;
-use omnirig_fixtures::Stage;
+use omnirig_fixtures::{PayloadKind, Stage};
 use omnirig_harness::process::StageLauncher;
-use omnirig_harness::{Report, Runner, Scenario};
+use omnirig_harness::{Report, Runner, Scenario, StageMemory};
 use omnirig_hil::agent;
 use omnirig_hil::evidence::{
     HostFacts, PerfRow, PerfTool, PerftestRequest, Probe, netdev_addresses, parse_perftest,
@@ -70,9 +70,28 @@ struct PathEvidence {
     /// node.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     engine_log: Vec<NodeLog>,
+    /// For the GPU path: how each hop's GPU memory met the NIC.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    gpu_hops: Vec<GpuHop>,
 }
 
-#[derive(Serialize)]
+/// How one hop's GPU memory reached the NIC, from what its two engines logged.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+struct GpuHop {
+    hop: String,
+    /// [`GPU_DIRECT`], [`GPU_STAGED`] or [`GPU_NOT_RUN`]: distinct words, so a staged hop can
+    /// never read as GPUDirect.
+    path: &'static str,
+    /// Which engine said what (the staging reason, or why nothing is known).
+    detail: String,
+}
+
+const GPU_DIRECT: &str =
+    "GPUDirect RDMA (the NIC reads and writes GPU memory, registered as a dma-buf)";
+const GPU_STAGED: &str = "STAGED through pinned host memory (not GPUDirect)";
+const GPU_NOT_RUN: &str = "not run";
+
+#[derive(Serialize, Clone)]
 struct NodeLog {
     node: String,
     lines: Vec<String>,
@@ -110,7 +129,7 @@ struct Evidence {
 const PATH_TCP: &str = "TCP between nodes (cluster addresses)";
 const PATH_NETDEV: &str = "TCP over the IPoIB / RoCE netdev";
 const PATH_RDMA: &str = "RDMA from pinned host memory";
-const PATH_GPUDIRECT: &str = "GPUDirect RDMA";
+const PATH_GPU: &str = "GPU memory over RDMA (per hop: GPUDirect RDMA or staged)";
 
 /// Stage processes on their nodes, as the cluster file places them, but their engines and
 /// control listeners on other addresses of those nodes (the netdev's).
@@ -177,7 +196,7 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
         .build()?;
     let secret = cluster.secret()?;
     let agent_addr = |n: &omnirig_hil::Node| std::net::SocketAddr::new(n.host, n.agent_port);
-    let (nodes, runs, logs, baselines) = rt.block_on(async {
+    let (nodes, runs, logs, gpu_logs, baselines) = rt.block_on(async {
         let _agents =
             omnirig_hil::start_agents(&cluster, &exe.to_string_lossy(), Duration::from_secs(60))
                 .await?;
@@ -199,8 +218,9 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
             });
         }
         let launcher = Arc::new(ClusterLauncher::new(cluster.clone())?);
-        let measure = |l: Arc<dyn StageLauncher>, t: TransportKind| {
-            let s = scenario.clone().with_transport(t);
+        let measure_in = |l: Arc<dyn StageLauncher>, t: TransportKind, memory: StageMemory| {
+            let mut s = scenario.clone().with_transport(t);
+            s.memory = memory;
             async move {
                 Runner::new(s)
                     .cluster(l)
@@ -209,6 +229,8 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
                     .map_err(|e| format!("the run failed to start: {e}"))
             }
         };
+        let measure =
+            |l: Arc<dyn StageLauncher>, t: TransportKind| measure_in(l, t, StageMemory::Host);
         let mut runs: Vec<(&str, PathRun)> = Vec::new();
         runs.push((
             PATH_TCP,
@@ -256,8 +278,30 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
             }
         }
         runs.push((PATH_RDMA, rdma));
+        // GPU-resident stage tensors over rdma: which path each engine took, from its log.
+        let mut gpu_logs = Vec::new();
+        let gpu = match gpu_why_not(&cluster) {
+            Some(why) => Err(why),
+            None => {
+                for n in &cluster.nodes {
+                    let _ = agent::engine_log(&n.name, agent_addr(n), &secret, true).await;
+                }
+                let r = measure_in(launcher.clone(), TransportKind::Rdma, StageMemory::Gpu).await;
+                for n in &cluster.nodes {
+                    let lines = agent::engine_log(&n.name, agent_addr(n), &secret, false)
+                        .await
+                        .unwrap_or_else(|e| vec![format!("(no log: {e})")]);
+                    gpu_logs.push(NodeLog {
+                        node: n.name.clone(),
+                        lines,
+                    });
+                }
+                r
+            }
+        };
+        runs.push((PATH_GPU, gpu));
         let baselines = perftest_baselines(&cluster, &secret).await;
-        anyhow::Ok((nodes, runs, logs, baselines))
+        anyhow::Ok((nodes, runs, logs, gpu_logs, baselines))
     })?;
 
     let mut paths = Vec::new();
@@ -266,6 +310,7 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
         let (transport, dir) = match *label {
             PATH_TCP => ("tcp", "tcp"),
             PATH_NETDEV => ("tcp", "tcp-netdev"),
+            PATH_GPU => ("rdma", "rdma-gpu"),
             _ => ("rdma", "rdma"),
         };
         match run {
@@ -276,22 +321,37 @@ pub fn run(args: EvidenceArgs) -> anyhow::Result<()> {
                 crate::report::write_run_site(r, &d)
                     .with_context(|| format!("report page in {}", d.display()))?;
                 let mut p = path_of(label, transport, r);
+                if *label == PATH_GPU {
+                    p.gpu_hops = gpu_hops(&r.hops, &gpu_logs);
+                    p.engine_log = gpu_logs.clone();
+                }
                 p.report = Some(format!("{dir}/index.html"));
                 p.note = note_for(label, &cluster, &nodes);
                 paths.push(p);
                 reports.push((label, r));
             }
-            Err(why) => paths.push(not_run(label, transport, why.clone())),
+            Err(why) => {
+                let mut p = not_run(label, transport, why.clone());
+                if *label == PATH_GPU {
+                    p.gpu_hops = PayloadKind::ALL
+                        .iter()
+                        .map(|k| GpuHop {
+                            hop: k.as_str().into(),
+                            path: GPU_NOT_RUN,
+                            detail: why.clone(),
+                        })
+                        .collect();
+                }
+                paths.push(p);
+            }
         }
     }
     if let Some(p) = paths.iter_mut().find(|p| p.label == PATH_RDMA && p.ran) {
         p.engine_log = logs;
     }
-    paths.push(not_run(
-        PATH_GPUDIRECT,
-        "rdma+cuda",
-        gpudirect_why_not(&cluster, &nodes),
-    ));
+    if let Some(p) = paths.iter_mut().find(|p| p.label == PATH_GPU && !p.ran) {
+        p.why_not = Some(gpudirect_why_not(&cluster, &nodes, p.why_not.take()));
+    }
     let plots = write_plots(&args.out, &reports, &baselines)?;
     let ev = Evidence {
         evidence_version: 2,
@@ -401,20 +461,38 @@ fn note_for(label: &str, cluster: &Cluster, nodes: &[NodeEvidence]) -> Option<St
     }
 }
 
-fn gpudirect_why_not(cluster: &Cluster, nodes: &[NodeEvidence]) -> String {
-    let mut why = vec![if cfg!(feature = "cuda") {
-        "this build has GPU memory (feature cuda), but registering a dma-buf of it with the NIC \
-         (ibv_reg_dmabuf_mr) is not implemented yet: GPU tensors stage through pinned host \
-         memory (docs/gpu.md)"
-            .to_string()
-    } else {
-        "this build has no GPU memory: GPUDirect needs GPU memory registered with the NIC \
-         (build with --features cuda)"
-            .to_string()
-    }];
-    if cluster.nodes.iter().all(|n| n.gpu.is_none()) {
-        why.push("no node in the cluster file names a gpu".into());
+/// Why GPU memory over rdma cannot be measured on this cluster with this build (`None`: run
+/// it, and let each engine say which path it took).
+fn gpu_why_not(cluster: &Cluster) -> Option<String> {
+    if !cfg!(feature = "cuda") {
+        return Some(
+            "this build has no GPU memory: build with --features cuda (GPUDirect RDMA also \
+             needs it)"
+                .into(),
+        );
     }
+    let no_gpu: Vec<&str> = cluster
+        .nodes
+        .iter()
+        .filter(|n| n.gpu.is_none())
+        .map(|n| n.name.as_str())
+        .collect();
+    if !no_gpu.is_empty() {
+        return Some(format!(
+            "node {} names no gpu in the cluster file",
+            no_gpu.join(", ")
+        ));
+    }
+    cluster
+        .nodes
+        .iter()
+        .find(|n| n.rdma.is_none())
+        .map(|n| format!("node {} has no rdma section in the cluster file", n.name))
+}
+
+/// The GPU path's reason for not running, with what the nodes' facts add.
+fn gpudirect_why_not(cluster: &Cluster, nodes: &[NodeEvidence], why: Option<String>) -> String {
+    let mut why = vec![why.unwrap_or_else(|| "?".into())];
     let no_smi: Vec<&str> = nodes
         .iter()
         .filter(|n| {
@@ -443,6 +521,121 @@ fn gpudirect_why_not(cluster: &Cluster, nodes: &[NodeEvidence]) -> String {
         );
     }
     why.join("; ")
+}
+
+/// What one engine said about its GPU memory: GPUDirect, or staged and why.
+#[derive(Debug, Clone, PartialEq)]
+enum EngineGpuPath {
+    Direct,
+    Staged(String),
+}
+
+/// The GPU path line an engine named `...-{stage}-{side}` logged, if any (the last one: an
+/// engine that turned to staging after a refused registration logs that after).
+fn engine_gpu_path(logs: &[NodeLog], stage: Stage, side: &str) -> Option<(String, EngineGpuPath)> {
+    let suffix = format!("-{stage}-{side}");
+    let mut found = None;
+    for l in logs {
+        for line in &l.lines {
+            let staged = line.contains("rdma: GPUDirect RDMA unavailable");
+            let direct = line.contains("rdma: GPUDirect RDMA: GPU memory is registered");
+            if !(staged || direct) {
+                continue;
+            }
+            let Some(engine) = field(line, "engine") else {
+                continue;
+            };
+            if !engine.ends_with(&suffix) {
+                continue;
+            }
+            let path = if staged {
+                let why = line
+                    .split_once(" why=")
+                    .map(|(_, w)| w.trim().to_owned())
+                    .unwrap_or_else(|| "no reason logged".into());
+                EngineGpuPath::Staged(why)
+            } else {
+                EngineGpuPath::Direct
+            };
+            found = Some((l.node.clone(), path));
+        }
+    }
+    found
+}
+
+/// A `name=value` field of a tracing line (the value quoted or bare).
+fn field<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    let at = line.find(&format!(" {name}="))? + name.len() + 2;
+    let rest = &line[at..];
+    match rest.strip_prefix('"') {
+        Some(q) => q.split('"').next(),
+        None => rest.split_whitespace().next(),
+    }
+}
+
+/// Each measured hop's GPU path: GPUDirect only when both ends' engines registered their GPU
+/// memory with the NIC; staged when either staged (naming it and why); not run when neither
+/// end said anything (the log is missing, or the hop moved no GPU memory over rdma).
+fn gpu_hops(hops: &[omnirig_harness::HopSummary], logs: &[NodeLog]) -> Vec<GpuHop> {
+    hops.iter()
+        .map(|h| {
+            let Ok(kind) = PayloadKind::parse(&h.hop, "hop") else {
+                return GpuHop {
+                    hop: h.hop.clone(),
+                    path: GPU_NOT_RUN,
+                    detail: "not a hop of the pipeline".into(),
+                };
+            };
+            let ends = [
+                (
+                    kind.source(),
+                    "out",
+                    engine_gpu_path(logs, kind.source(), "out"),
+                ),
+                (
+                    kind.target(),
+                    "in",
+                    engine_gpu_path(logs, kind.target(), "in"),
+                ),
+            ];
+            let mut staged = Vec::new();
+            let mut direct = Vec::new();
+            let mut silent = Vec::new();
+            for (stage, side, said) in ends {
+                match said {
+                    Some((node, EngineGpuPath::Staged(why))) => {
+                        staged.push(format!("{stage} ({side}, on {node}) staged: {why}"))
+                    }
+                    Some((node, EngineGpuPath::Direct)) => {
+                        direct.push(format!("{stage} ({side}, on {node})"))
+                    }
+                    None => silent.push(format!("{stage} ({side})")),
+                }
+            }
+            let (path, detail) = if !staged.is_empty() {
+                (GPU_STAGED, staged.join("; "))
+            } else if silent.is_empty() {
+                (
+                    GPU_DIRECT,
+                    format!("dma-buf registered by {}", direct.join(" and ")),
+                )
+            } else {
+                (
+                    GPU_NOT_RUN,
+                    format!(
+                        "no GPU path line from {} (is the agent an omnirig that relays its \
+                         stages' rdma lines?)",
+                        silent.join(" and ")
+                    ),
+                )
+            };
+            GpuHop {
+                hop: h.hop.clone(),
+                path,
+                detail,
+            }
+        })
+        .collect()
 }
 
 /// Message sizes of the ib_write_bw baseline and of the ib_write_lat one.
@@ -736,6 +929,7 @@ fn path_of(label: &str, transport: &str, r: &Report) -> PathEvidence {
         report: None,
         hops: r.hops.clone(),
         engine_log: vec![],
+        gpu_hops: vec![],
     }
 }
 
@@ -750,6 +944,26 @@ fn not_run(label: &str, transport: &str, why: String) -> PathEvidence {
         report: None,
         hops: vec![],
         engine_log: vec![],
+        gpu_hops: vec![],
+    }
+}
+
+/// The GPU path of each hop, under the GPU memory path.
+fn gpu_hop_table(s: &mut String, hops: &[GpuHop]) {
+    use std::fmt::Write;
+    if hops.is_empty() {
+        return;
+    }
+    let _ = writeln!(s, "\n  | hop | GPU path | detail |");
+    let _ = writeln!(s, "  |---|---|---|");
+    for h in hops {
+        let _ = writeln!(
+            s,
+            "  | {} | {} | {} |",
+            h.hop,
+            h.path,
+            h.detail.replace('|', "/")
+        );
     }
 }
 
@@ -849,6 +1063,7 @@ fn markdown(ev: &Evidence) -> String {
                 p.transport,
                 p.why_not.as_deref().unwrap_or("?")
             );
+            gpu_hop_table(&mut s, &p.gpu_hops);
             continue;
         }
         let verdict = if p.passed == Some(true) {
@@ -878,6 +1093,7 @@ fn markdown(ev: &Evidence) -> String {
                 h.gbps
             );
         }
+        gpu_hop_table(&mut s, &p.gpu_hops);
         for l in &p.engine_log {
             let _ = writeln!(
                 s,
@@ -890,6 +1106,7 @@ fn markdown(ev: &Evidence) -> String {
                 "engine serves its memory",
                 "selected device, port and GID",
                 "accepted a queue pair",
+                "GPUDirect RDMA",
             ] {
                 if let Some(line) = l.lines.iter().find(|x| x.contains(kind)) {
                     let _ = writeln!(s, "      {}", line.trim());
@@ -976,4 +1193,132 @@ fn markdown(ev: &Evidence) -> String {
         "\nFull probe output (ibv_devinfo -v, GID tables, topology, perftest output): `evidence.json`."
     );
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hop(name: &str) -> omnirig_harness::HopSummary {
+        omnirig_harness::HopSummary {
+            hop: name.into(),
+            transport: "rdma".into(),
+            requests: 2,
+            ..Default::default()
+        }
+    }
+
+    /// Lines as the agent relays them from the stage processes (tracing's format, ANSI off).
+    fn log(node: &str, lines: &[&str]) -> NodeLog {
+        NodeLog {
+            node: node.into(),
+            lines: lines.iter().map(|l| l.to_string()).collect(),
+        }
+    }
+
+    const DIRECT: &str = "2026-12-01T10:00:00Z  INFO omnirig_transports::transport::rdma::link: \
+        rdma: GPUDirect RDMA: GPU memory is registered with the device as a dma-buf \
+        engine=\"runX-{stage}-{side}\" device=\"mlx5_0\" gpu=\"cuda:0 (NVIDIA H200)\" \
+        path=\"gpudirect-dmabuf\"";
+    const STAGED: &str = "2026-12-01T10:00:00Z  WARN omnirig_transports::transport::cuda::gpudirect: \
+        rdma: GPUDirect RDMA unavailable: GPU memory is staged through pinned host memory \
+        engine=\"runX-{stage}-{side}\" path=\"staged\" why=mlx5_0 refused to register GPU \
+        memory: ibv_reg_dmabuf_mr: Operation not supported (os error 95)";
+
+    fn line(t: &str, stage: &str, side: &str) -> String {
+        t.replace("{stage}", stage).replace("{side}", side)
+    }
+
+    #[test]
+    fn each_hop_reports_the_gpu_path_its_two_engines_took() {
+        let a = [
+            line(DIRECT, "encoder", "out"),
+            line(DIRECT, "thinker_prefill", "in"),
+            line(DIRECT, "thinker_prefill", "out"),
+            "rdma: engine serves its memory through this device engine=\"runX-talker-in\"".into(),
+        ];
+        let b = [
+            line(STAGED, "thinker_decode", "in"),
+            line(DIRECT, "thinker_decode", "out"),
+            line(DIRECT, "talker", "in"),
+        ];
+        let logs = [
+            log("node-a", &a.iter().map(String::as_str).collect::<Vec<_>>()),
+            log("node-b", &b.iter().map(String::as_str).collect::<Vec<_>>()),
+        ];
+        let got = gpu_hops(
+            &[
+                hop("encoder_embeddings"),
+                hop("kv_cache"),
+                hop("thinker_to_talker"),
+                hop("talker_to_code2wav"),
+            ],
+            &logs,
+        );
+        let paths: Vec<(&str, &str)> = got.iter().map(|h| (h.hop.as_str(), h.path)).collect();
+        assert_eq!(
+            paths,
+            [
+                ("encoder_embeddings", GPU_DIRECT),
+                ("kv_cache", GPU_STAGED),
+                ("thinker_to_talker", GPU_DIRECT),
+                ("talker_to_code2wav", GPU_NOT_RUN),
+            ]
+        );
+        assert!(
+            got[0].detail.contains("encoder (out, on node-a)"),
+            "{}",
+            got[0].detail
+        );
+        assert!(
+            got[1]
+                .detail
+                .contains("thinker_decode (in, on node-b) staged")
+                && got[1].detail.contains("Operation not supported"),
+            "{}",
+            got[1].detail
+        );
+        assert!(
+            got[3].detail.contains("talker (out)") && got[3].detail.contains("code2wav (in)"),
+            "{}",
+            got[3].detail
+        );
+        // the labels cannot be mistaken for one another
+        assert!(!GPU_STAGED.contains("GPUDirect RDMA (") && !GPU_NOT_RUN.contains("GPUDirect"));
+        // an engine that turned to staging after a refused registration: its last line wins
+        let later = [
+            line(DIRECT, "encoder", "out"),
+            line(STAGED, "encoder", "out"),
+        ];
+        let logs = [log(
+            "n",
+            &later.iter().map(String::as_str).collect::<Vec<_>>(),
+        )];
+        assert_eq!(
+            engine_gpu_path(&logs, Stage::Encoder, "out")
+                .map(|(_, p)| matches!(p, EngineGpuPath::Staged(_))),
+            Some(true)
+        );
+        assert_eq!(engine_gpu_path(&logs, Stage::Encoder, "in"), None);
+    }
+
+    #[test]
+    fn the_markdown_lists_each_hops_gpu_path() {
+        let mut s = String::new();
+        gpu_hop_table(
+            &mut s,
+            &[GpuHop {
+                hop: "kv_cache".into(),
+                path: GPU_STAGED,
+                detail: "a | b".into(),
+            }],
+        );
+        assert!(
+            s.contains("| kv_cache | STAGED through pinned host memory (not GPUDirect) | a / b |"),
+            "{s}"
+        );
+        let mut empty = String::new();
+        gpu_hop_table(&mut empty, &[]);
+        assert!(empty.is_empty());
+    }
 }

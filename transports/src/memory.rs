@@ -78,6 +78,22 @@ pub trait DeviceMemory: Send + Sync + 'static {
     /// receiver never waits for a buffer a sender holds while that sender waits for the
     /// receiver to read (engines of one process share a device's pools).
     fn staging(&self, outbound: bool) -> &Arc<crate::staging::StagingPool>;
+
+    /// Whether this device can export its memory as dma-bufs an RDMA device registers
+    /// (GPUDirect RDMA); `Err` says why it could not be asked. Default: it cannot.
+    fn dmabuf_supported(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Exports a dma-buf that covers `addr..addr+len` (memory of one allocation of this
+    /// device): the fd, and where `addr` sits in it. Default: refused.
+    fn export_dmabuf(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
+        let _ = (addr, len);
+        Err(Error::new(
+            ErrorKind::Resource,
+            format!("{} cannot export its memory as a dma-buf", self.describe()),
+        ))
+    }
 }
 
 /// A span of registered memory: host memory, or GPU memory behind a [`DeviceMemory`].
@@ -511,6 +527,27 @@ impl Region {
         Ok((self.addr() + off) as u64)
     }
 
+    /// Exports `offset..offset+len` of GPU memory as a dma-buf for an RDMA device
+    /// (`ibv_reg_dmabuf_mr`): the fd and where the range's first byte sits in it. The device
+    /// decides how much it exports around the range (whole pages, or its whole allocation);
+    /// the caller registers exactly the range, so the HCA's bounds stay the grant's.
+    pub fn export_dmabuf(&self, offset: u64, len: u64) -> Result<(std::os::fd::OwnedFd, u64)> {
+        let Some(dev) = &self.device else {
+            return Err(Error::new(
+                ErrorKind::Resource,
+                "only GPU memory is exported as a dma-buf (host memory registers directly)",
+            ));
+        };
+        let (off, n) = self.check(offset, len)?;
+        if n == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                "cannot export an empty range as a dma-buf",
+            ));
+        }
+        dev.export_dmabuf(self.addr() + off, n)
+    }
+
     fn mlock(&self) -> bool {
         // SAFETY: mlock only changes residency of pages we own; it never dereferences them.
         unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) == 0 }
@@ -625,5 +662,89 @@ mod tests {
         // SAFETY: misaligned pointer is refused before it is ever used.
         let e = unsafe { Region::adopt(std::ptr::dangling_mut::<u8>(), 1, || {}) }.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidLength);
+    }
+
+    /// A device that records the ranges it is asked to export (its memory is host memory, so
+    /// the test runs anywhere; nothing here dereferences it as device memory).
+    struct Exporter {
+        asked: std::sync::Mutex<Vec<(usize, usize)>>,
+        pool: Arc<crate::staging::StagingPool>,
+    }
+
+    impl DeviceMemory for Exporter {
+        fn describe(&self) -> String {
+            "test:0".into()
+        }
+        unsafe fn copy_in(&self, _dst: usize, _src: &[u8]) -> Result<()> {
+            Err(Error::new(ErrorKind::Resource, "not used"))
+        }
+        unsafe fn copy_out(&self, _src: usize, _dst: &mut [u8]) -> Result<()> {
+            Err(Error::new(ErrorKind::Resource, "not used"))
+        }
+        unsafe fn copy_raw(&self, _dst: usize, _src: usize, _len: usize) -> Result<()> {
+            Err(Error::new(ErrorKind::Resource, "not used"))
+        }
+        fn staging(&self, _outbound: bool) -> &Arc<crate::staging::StagingPool> {
+            &self.pool
+        }
+        fn export_dmabuf(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
+            self.asked.lock().unwrap().push((addr, len));
+            let f = std::fs::File::open("/dev/null")
+                .map_err(|e| Error::new(ErrorKind::Io, e.to_string()))?;
+            // like the CUDA device: the pages around the range
+            Ok((f.into(), (addr % PAGE_SIZE) as u64))
+        }
+    }
+
+    #[test]
+    fn a_dmabuf_export_asks_the_device_for_the_range_and_says_where_it_starts() {
+        let dev = Arc::new(Exporter {
+            asked: Default::default(),
+            pool: crate::staging::StagingPool::new(
+                "t",
+                1,
+                4096,
+                Box::new(|n| Region::allocate(n, false)),
+            )
+            .unwrap(),
+        });
+        let host = Region::allocate(5 * PAGE_SIZE, false).unwrap();
+        let base = host.addr();
+        let d: Arc<dyn DeviceMemory> = dev.clone();
+        // SAFETY: `host` backs the region and lives as long as it; the test device never
+        // dereferences the address.
+        let r = unsafe { Region::from_device(base, 3 * PAGE_SIZE + 10, d, host) }.unwrap();
+        let (_, at) = r
+            .export_dmabuf(PAGE_SIZE as u64 + 100, 2 * PAGE_SIZE as u64 - 200)
+            .unwrap();
+        assert_eq!(at, 100);
+        let (_, at) = r.export_dmabuf(0, 3 * PAGE_SIZE as u64 + 10).unwrap();
+        assert_eq!(at, 0);
+        assert_eq!(
+            *dev.asked.lock().unwrap(),
+            vec![
+                (base + PAGE_SIZE + 100, 2 * PAGE_SIZE - 200),
+                (base, 3 * PAGE_SIZE + 10)
+            ],
+            "the device is asked for exactly the range"
+        );
+        for (off, len, kind) in [
+            (0, 3 * PAGE_SIZE as u64 + 11, ErrorKind::OutOfBuffer),
+            (u64::MAX, 2, ErrorKind::OutOfBuffer),
+            (5, 0, ErrorKind::InvalidLength),
+        ] {
+            assert_eq!(r.export_dmabuf(off, len).unwrap_err().kind(), kind);
+        }
+        let e = Region::allocate(4096, false)
+            .unwrap()
+            .export_dmabuf(0, 4096)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Resource);
+        assert!(e.detail().contains("only GPU memory"), "{e}");
+        assert_eq!(
+            dev.asked.lock().unwrap().len(),
+            2,
+            "refusals export nothing"
+        );
     }
 }

@@ -482,6 +482,40 @@ fn device_memory_exports_as_a_dmabuf_for_gpudirect_rdma() {
         export_dmabuf(&gpu, &host, 0, 4096).unwrap_err().kind(),
         ErrorKind::Resource
     );
+    // What the rdma transport calls for a grant: any range of a device region, exported as
+    // the whole pages around it, with where the range starts in the dma-buf. The region's
+    // device answers the capability probe through the trait the transport sees.
+    let odd = gpu.allocate((1 << 20) + 3).unwrap();
+    let dev = odd.device().unwrap().clone();
+    assert_eq!(dev.dmabuf_supported().unwrap(), supported);
+    match odd.export_dmabuf(4096 + 100, (1 << 20) - 4096) {
+        Ok((fd, at)) => {
+            assert!(supported);
+            // the range starts 4196 bytes into a page-aligned region: the same within a page
+            assert_eq!(at % 4096, 100, "offset {at}");
+            use std::os::fd::AsRawFd;
+            let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+            assert!(link.to_string_lossy().contains("dmabuf"), "{link:?}");
+            // the region's last byte exports too, wherever it sits in what the driver exports
+            let (fd, at) = odd.export_dmabuf((1 << 20) + 2, 1).unwrap();
+            assert_eq!(at % 4096, ((1 << 20) + 2) % 4096);
+            let size = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                .map(|m| m.len())
+                .unwrap_or(0);
+            let _ = writeln!(
+                std::io::stderr(),
+                "dma-buf of the last byte: offset {at}, fd size {size}"
+            );
+        }
+        Err(e) => {
+            assert!(!supported, "{e}");
+            assert!(e.detail().contains("cuMemGetHandleForAddressRange"), "{e}");
+        }
+    }
+    assert_eq!(
+        odd.export_dmabuf((1 << 20) + 3, 1).unwrap_err().kind(),
+        ErrorKind::OutOfBuffer
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

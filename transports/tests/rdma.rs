@@ -521,6 +521,13 @@ mod transport {
     use omnirig_transports::{Error, ErrorKind};
     use tracing_test::traced_test;
 
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use omnirig_transports::memory::DeviceMemory;
+    use omnirig_transports::staging::StagingPool;
+    use omnirig_transports::transport::cuda::gpudirect::RegistrationPath;
+
     use super::{FenceKind, contents, device, pattern, region};
 
     struct Target {
@@ -555,6 +562,18 @@ mod transport {
 
     impl Target {
         fn grant(&self, buffer: u32, len_of: u64, offset: u64, len: u64, access: Access) -> Grant {
+            self.grant_fenced(buffer, len_of, offset, len, access, FenceKind::Region)
+        }
+
+        fn grant_fenced(
+            &self,
+            buffer: u32,
+            len_of: u64,
+            offset: u64,
+            len: u64,
+            access: Access,
+            fence: FenceKind,
+        ) -> Grant {
             let g = self
                 .table
                 .lock()
@@ -583,7 +602,7 @@ mod transport {
                 .unwrap();
             let key =
                 omnirig_transports::transport::rdma::keys::GrantKey::from_bytes(&bytes).unwrap();
-            assert_eq!((key.len, key.fence), (len, FenceKind::Region));
+            assert_eq!((key.len, key.fence), (len, fence));
             g.keys.push(omnirig_transports::grant::GrantKey {
                 kind: TransportKind::Rdma,
                 bytes,
@@ -868,6 +887,249 @@ mod transport {
         };
         assert_eq!(e.kind(), ErrorKind::Unreachable, "{e}");
         assert_eq!(e.peer(), Some("target"));
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // GPU memory on the rdma transport. A `FakeGpu` is a DeviceMemory made of host memory (so
+    // this runs in the soft-RoCE VM, which has no GPU): the engine treats it exactly as GPU
+    // memory (never registers or dereferences it directly), so the staged path and the
+    // GPUDirect decision are what runs. Its "dma-buf" is a memfd, which no RDMA device accepts:
+    // the registration is refused, as on a cluster whose HCA, kernel or rdma-core lacks it.
+    // -----------------------------------------------------------------------------------------
+
+    struct FakeGpu {
+        staging: [Arc<StagingPool>; 2],
+        dmabuf: bool,
+        exports: AtomicUsize,
+    }
+
+    impl FakeGpu {
+        fn new(dmabuf: bool) -> Arc<Self> {
+            let pool = |dir: &str| {
+                StagingPool::new(
+                    format!("fake {dir}"),
+                    4,
+                    1 << 20,
+                    Box::new(|n| Region::allocate(n, false)),
+                )
+                .unwrap()
+            };
+            Arc::new(Self {
+                staging: [pool("inbound"), pool("outbound")],
+                dmabuf,
+                exports: AtomicUsize::new(0),
+            })
+        }
+
+        fn region(self: &Arc<Self>, len: usize, fill: impl Fn(usize) -> u8) -> Arc<Region> {
+            let host = Region::allocate(len, false).unwrap();
+            let addr = host.addr();
+            let dev: Arc<dyn DeviceMemory> = self.clone();
+            // SAFETY: `host` backs the region for its whole life; every access goes through
+            // the copies below, which treat the address as the host memory it is.
+            let r = unsafe { Region::from_device(addr, len, dev, host) }.unwrap();
+            let bytes: Vec<u8> = (0..len).map(fill).collect();
+            r.write(0, &bytes).unwrap();
+            Arc::new(r)
+        }
+    }
+
+    impl DeviceMemory for FakeGpu {
+        fn describe(&self) -> String {
+            "fake-gpu:0 (host memory)".into()
+        }
+        unsafe fn copy_in(&self, dst: usize, src: &[u8]) -> omnirig_transports::Result<()> {
+            // SAFETY: the caller's contract: dst..dst+len is live memory of this "device".
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+            Ok(())
+        }
+        unsafe fn copy_out(&self, src: usize, dst: &mut [u8]) -> omnirig_transports::Result<()> {
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+            Ok(())
+        }
+        unsafe fn copy_raw(
+            &self,
+            dst: usize,
+            src: usize,
+            len: usize,
+        ) -> omnirig_transports::Result<()> {
+            // SAFETY: as above; the ranges do not overlap (the caller's contract).
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+            Ok(())
+        }
+        fn staging(&self, outbound: bool) -> &Arc<StagingPool> {
+            &self.staging[outbound as usize]
+        }
+        fn dmabuf_supported(&self) -> omnirig_transports::Result<bool> {
+            Ok(self.dmabuf)
+        }
+        fn export_dmabuf(
+            &self,
+            _addr: usize,
+            len: usize,
+        ) -> omnirig_transports::Result<(OwnedFd, u64)> {
+            self.exports.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: plain syscall with a valid C string; the fd is ours.
+            let fd = unsafe { libc::memfd_create(c"not-a-dmabuf".as_ptr(), 0) };
+            assert!(fd >= 0);
+            // SAFETY: just opened, owned here.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            // SAFETY: fd is a live memfd.
+            let sized = unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) };
+            assert_eq!(sized, 0);
+            Ok((fd, 0))
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[traced_test]
+    async fn gpu_memory_without_gpudirect_is_staged_bit_exact_and_said_once() {
+        if device("gpu_memory_without_gpudirect_is_staged_bit_exact_and_said_once").is_none() {
+            return;
+        }
+        const BUF: u64 = 6 << 20;
+        const LEN: u64 = (3 << 20) + 77; // several staging buffers, odd tail
+        const OFF: u64 = 4096 + 5;
+        let dst = region(BUF as usize, |_| 0);
+        let gpu = FakeGpu::new(true);
+        let theirs = gpu.region(1 << 20, |_| 0);
+        let t = target(HashMap::from([(1, dst.clone()), (2, theirs.clone())]));
+        let init = RdmaNode::open(RdmaConfig::default()).unwrap();
+        let transport = RdmaTransport::new(init.clone());
+        transport.add_peer("target", t.server.addr());
+        let link = transport.connect(descriptor()).await.unwrap();
+
+        // the GPU says it exports dma-bufs: GPUDirect is tried once, the device refuses the
+        // registration, and the engine stages from then on (registering the buffer still works)
+        let src = gpu.region(LEN as usize, pattern(5));
+        transport.on_register(1, &src).unwrap();
+        assert_eq!(gpu.exports.load(Ordering::SeqCst), 1);
+        let why = match init.gpu_path(&src) {
+            RegistrationPath::Staged(why) => why,
+            p => panic!("{p:?}"),
+        };
+        assert!(why.contains("refused to register GPU memory"), "{why}");
+        assert!(why.contains("ibv_reg_dmabuf_mr"), "{why}");
+        assert_eq!(
+            init.local_registrations(),
+            0,
+            "GPU memory registered directly"
+        );
+
+        // push from GPU memory, through the outbound staging buffers, bit-exact
+        let wg = t.grant(1, BUF, OFF, LEN, Access::Write);
+        transfer(&link, OpKind::Write, &src, &wg, LEN)
+            .await
+            .unwrap();
+        let got = contents(&dst);
+        assert_eq!(
+            &got[OFF as usize..(OFF + LEN) as usize],
+            &contents(&src)[..]
+        );
+        assert!(got[..OFF as usize].iter().all(|&x| x == 0));
+        assert!(got[(OFF + LEN) as usize..].iter().all(|&x| x == 0));
+        let out = gpu.staging(true);
+        assert!(out.allocated() >= 1, "the write was not staged");
+        assert_eq!(out.outstanding(), 0, "staging buffers leaked");
+
+        // a revoked grant is refused on the staged path too, and names why
+        t.revoke(&wg);
+        let e = transfer(&link, OpKind::Write, &src, &wg, 64)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
+        assert_eq!(out.outstanding(), 0);
+        assert_eq!(
+            contents(&dst),
+            got,
+            "a write after revoke changed the target"
+        );
+
+        // pull into GPU memory, through the inbound staging buffers
+        let back = gpu.region(LEN as usize, |_| 0);
+        transport.on_register(2, &back).unwrap();
+        let rg = t.grant(1, BUF, OFF, LEN, Access::Read);
+        transfer(&link, OpKind::Read, &back, &rg, LEN)
+            .await
+            .unwrap();
+        assert_eq!(contents(&back), contents(&src));
+        assert!(
+            gpu.staging(false).allocated() >= 1,
+            "the read was not staged"
+        );
+        assert_eq!(gpu.staging(false).outstanding(), 0);
+        assert_eq!(
+            gpu.exports.load(Ordering::SeqCst),
+            1,
+            "probed more than once"
+        );
+        assert_eq!(init.local_registrations(), 0);
+
+        // a GPU that cannot export: staged from the start, without trying
+        let plain = FakeGpu::new(false);
+        let t2 = RdmaNode::open(RdmaConfig::default()).unwrap();
+        let r = plain.region(4096, |_| 1);
+        match t2.gpu_path(&r) {
+            RegistrationPath::Staged(why) => {
+                assert!(why.contains("cannot export dma-bufs"), "{why}")
+            }
+            p => panic!("{p:?}"),
+        }
+        assert_eq!(plain.exports.load(Ordering::SeqCst), 0);
+
+        // the target side: GPU memory that engine stages is granted through a host bounce
+        // buffer (the key says so); a write reaches the GPU when the target serves the sync that
+        // follows it, a read grant is filled from the GPU when issued
+        t.revoke(&rg);
+        const TLEN: u64 = (1 << 20) - 8192 + 5; // several work requests, odd tail
+        const TOFF: u64 = 4096 + 3;
+        let (a, b) = (TOFF as usize, (TOFF + TLEN) as usize);
+        let hsrc = region(TLEN as usize, pattern(11));
+        let tg = t.grant_fenced(2, 1 << 20, TOFF, TLEN, Access::Write, FenceKind::Staged);
+        transfer(&link, OpKind::Write, &hsrc, &tg, TLEN)
+            .await
+            .unwrap();
+        let on_gpu = contents(&theirs);
+        assert_eq!(&on_gpu[a..b], &contents(&hsrc)[..]);
+        assert!(on_gpu[..a].iter().all(|&x| x == 0) && on_gpu[b..].iter().all(|&x| x == 0));
+        t.revoke(&tg);
+        let e = transfer(&link, OpKind::Write, &region(64, |_| 0xEE), &tg, 64)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::GrantRevoked, "{e}");
+        assert_eq!(
+            contents(&theirs),
+            on_gpu,
+            "a write after revoke reached the GPU"
+        );
+        // staged GPU memory read into staged GPU memory: both sides stage
+        let rg2 = t.grant_fenced(2, 1 << 20, TOFF, TLEN, Access::Read, FenceKind::Staged);
+        let gback = gpu.region(TLEN as usize, |_| 0);
+        transfer(&link, OpKind::Read, &gback, &rg2, TLEN)
+            .await
+            .unwrap();
+        assert_eq!(contents(&gback), contents(&hsrc));
+        assert_eq!(gpu.staging(false).outstanding(), 0);
+        t.revoke(&rg2);
+        assert_eq!(t.node.fenced_grants(), 0);
+        assert_eq!(
+            init.local_registrations(),
+            2,
+            "the two host sources, never GPU memory"
+        );
+
+        // said once per engine (the initiator, the second node, the target), never per buffer
+        logs_assert(|lines: &[&str]| {
+            let n = lines
+                .iter()
+                .filter(|l| l.contains("rdma: GPUDirect RDMA unavailable"))
+                .count();
+            match n {
+                3 => Ok(()),
+                n => Err(format!("{n} staging notices")),
+            }
+        });
     }
 }
 

@@ -359,6 +359,14 @@ impl DeviceMemory for Gpu {
     fn staging(&self, outbound: bool) -> &Arc<StagingPool> {
         self.staging_pool(outbound)
     }
+
+    fn dmabuf_supported(&self) -> Result<bool> {
+        super::gpudirect::dmabuf_supported(self)
+    }
+
+    fn export_dmabuf(&self, addr: usize, len: usize) -> Result<(std::os::fd::OwnedFd, u64)> {
+        super::gpudirect::export_around(self, addr as u64, len)
+    }
 }
 
 /// A device allocation, freed when the region that owns it drops.

@@ -71,11 +71,19 @@ impl Notice {
         if self.0.swap(true, Ordering::AcqRel) {
             return false;
         }
-        tracing::warn!(engine, why = %why, "GPUDirect RDMA unavailable: GPU memory is staged through pinned host memory");
+        // "rdma:" in the message: the hil agent relays the lines that carry it (evidence)
+        tracing::warn!(
+            engine,
+            path = path.name(),
+            why = %why,
+            "rdma: GPUDirect RDMA unavailable: GPU memory is staged through pinned host memory"
+        );
         true
     }
 }
 
+#[cfg(feature = "cuda")]
+pub(crate) use probe::export_around;
 #[cfg(feature = "cuda")]
 pub use probe::{dmabuf_supported, export_dmabuf};
 
@@ -87,6 +95,7 @@ mod probe {
 
     use super::super::driver::Gpu;
     use crate::error::{Error, ErrorKind, Result};
+    use crate::memory::DeviceMemory as _;
     use crate::memory::{PAGE_SIZE, Region};
 
     /// Whether `gpu` can export its memory as dma-bufs.
@@ -114,15 +123,80 @@ mod probe {
                 ),
             ));
         }
+        export_range(gpu, addr, len as usize)
+    }
+
+    /// A dma-buf covering `addr..addr+len` of `gpu`'s memory, and where `addr` sits in it: the
+    /// whole pages around the range, or, where the driver refuses that (on the H200 with
+    /// driver 580 a page-aligned range not at its allocation's start was refused), the whole
+    /// allocation the range lies in (`cuMemGetAddressRange`, page-rounded, as UCX exports).
+    pub(crate) fn export_around(gpu: &Gpu, addr: u64, len: usize) -> Result<(OwnedFd, u64)> {
+        let page = PAGE_SIZE as u64;
+        let end = addr
+            .checked_add(len as u64)
+            .filter(|_| len > 0)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidLength,
+                    format!("a dma-buf of {len} bytes at {addr:#x}"),
+                )
+            })?;
+        let start = addr - addr % page;
+        let first = match export_range(gpu, start, (end.next_multiple_of(page) - start) as usize) {
+            Ok(fd) => return Ok((fd, addr - start)),
+            Err(e) => e,
+        };
+        gpu.bind()?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: out pointers are live locals; the driver looks the address up.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
+            .result()
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Resource,
+                    format!("{}; cuMemGetAddressRange({addr:#x}): {e:?}", first.detail()),
+                )
+            })?;
+        if end > base + size as u64 {
+            return Err(Error::new(
+                ErrorKind::OutOfBuffer,
+                format!("{addr:#x} + {len} runs past its allocation {base:#x} + {size}"),
+            ));
+        }
+        let whole = base - base % page;
+        let whole_end = (base + size as u64).next_multiple_of(page);
+        export_range(gpu, whole, (whole_end - whole) as usize)
+            .map(|fd| (fd, addr - whole))
+            .map_err(|e| {
+                Error::new(
+                    e.kind(),
+                    format!(
+                        "{}; then the whole allocation: {}",
+                        first.detail(),
+                        e.detail()
+                    ),
+                )
+            })
+    }
+
+    /// Exports `addr..addr+len` of `gpu`'s memory (page-aligned; the driver refuses a range
+    /// outside one of its allocations) as a dma-buf fd.
+    pub(crate) fn export_range(gpu: &Gpu, addr: u64, len: usize) -> Result<OwnedFd> {
+        if !addr.is_multiple_of(PAGE_SIZE as u64) || !len.is_multiple_of(PAGE_SIZE) || len == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                format!("a dma-buf range must be whole {PAGE_SIZE}-byte pages: {addr:#x} + {len}"),
+            ));
+        }
         gpu.bind()?;
         let mut fd: i32 = -1;
-        // SAFETY: addr..addr+len lies inside the live device region (checked); the out
-        // pointer is a live local the driver writes an fd number into.
+        // SAFETY: the out pointer is a live local the driver writes an fd number into; the
+        // driver itself checks that addr..addr+len is device memory it allocated.
         unsafe {
             sys::cuMemGetHandleForAddressRange(
                 (&mut fd as *mut i32).cast(),
                 addr,
-                len as usize,
+                len,
                 sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
                 0,
             )
@@ -131,7 +205,10 @@ mod probe {
         .map_err(|e| {
             Error::new(
                 ErrorKind::Resource,
-                format!("CUDA: exporting {len} bytes as a dma-buf: {e:?}"),
+                format!(
+                    "{}: cuMemGetHandleForAddressRange (dma-buf export of {len} bytes): {e:?}",
+                    gpu.describe()
+                ),
             )
         })?;
         if fd < 0 {

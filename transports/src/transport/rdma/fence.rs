@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::memory::Region;
 
 use super::keys::{FenceKind, GrantKey};
@@ -31,6 +31,9 @@ enum Held {
 pub struct FencedGrant {
     key: GrantKey,
     held: Option<Held>,
+    /// For GPU memory without GPUDirect: the host bounce buffer the key names, and the GPU
+    /// range (region, offset) it stands for.
+    bounce: Option<(Arc<Region>, Arc<Region>, u64)>,
 }
 
 impl std::fmt::Debug for FencedGrant {
@@ -65,6 +68,7 @@ impl FencedGrant {
                 window,
                 qp: qp.clone(),
             }),
+            bounce: None,
         })
     }
 
@@ -77,7 +81,13 @@ impl FencedGrant {
         access: RemoteAccess,
     ) -> Result<Self> {
         let registration = device.register(region, offset, len, access)?;
-        Ok(Self {
+        Ok(Self::registered(registration, len))
+    }
+
+    /// Fences with a registration made over exactly the granted range (GPU memory: through
+    /// a dma-buf).
+    pub fn registered(registration: MemoryRegistration, len: u64) -> Self {
+        Self {
             key: GrantKey {
                 fence: FenceKind::Region,
                 addr: registration.addr(),
@@ -87,7 +97,46 @@ impl FencedGrant {
             held: Some(Held::Region {
                 _registration: registration,
             }),
-        })
+            bounce: None,
+        }
+    }
+
+    /// Fences `offset..offset+len` of GPU memory the device cannot register (no GPUDirect
+    /// RDMA) through a host bounce buffer of `len` bytes registered in its place: filled from
+    /// the GPU now for a read grant (the owner grants a read of what it already wrote), copied
+    /// to the GPU by [`FencedGrant::sync`] after writes.
+    pub fn bounce(
+        device: &Device,
+        gpu: &Arc<Region>,
+        offset: u64,
+        len: u64,
+        access: RemoteAccess,
+    ) -> Result<Self> {
+        gpu.check(offset, len)?;
+        let n = usize::try_from(len)
+            .map_err(|_| Error::new(ErrorKind::Resource, format!("a {len} byte bounce buffer")))?;
+        crate::memory::check_available(n)?;
+        let bounce = Arc::new(Region::allocate(n, false)?);
+        if access != RemoteAccess::Write {
+            gpu.copy_to(offset, &bounce, 0, len)?;
+        }
+        let mut f = Self::register(device, &bounce, 0, len, access)?;
+        f.key.fence = FenceKind::Staged;
+        f.bounce = Some((bounce, gpu.clone(), offset));
+        Ok(f)
+    }
+
+    /// Copies `part..part+len` of the grant from the bounce buffer to the GPU (after a peer's
+    /// write landed there). The caller holds the grant live (not revoked) meanwhile.
+    pub fn sync(&self, part: u64, len: u64) -> Result<()> {
+        let Some((bounce, gpu, offset)) = &self.bounce else {
+            return Err(Error::new(
+                ErrorKind::Malformed,
+                "rdma: a sync for a grant that is not staged",
+            ));
+        };
+        bounce.check(part, len)?;
+        bounce.copy_to(part, gpu, offset + part, len)
     }
 
     pub fn key(&self) -> GrantKey {

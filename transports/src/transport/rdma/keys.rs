@@ -155,6 +155,11 @@ pub enum FenceKind {
     Window = 1,
     /// A memory region registered over exactly the range (deregistered on revoke).
     Region = 2,
+    /// A memory region over a host bounce buffer standing for GPU memory the target cannot
+    /// register (no GPUDirect RDMA): filled from the GPU when a read grant is issued; after a
+    /// write the initiator asks the target to copy what landed to the GPU (deregistered and
+    /// freed on revoke).
+    Staged = 3,
 }
 
 /// What an initiator needs to reach a granted range with one-sided verbs.
@@ -203,6 +208,7 @@ impl GrantKey {
         let fence = match b[5] {
             1 => FenceKind::Window,
             2 => FenceKind::Region,
+            3 => FenceKind::Staged,
             k => return Err(malformed(what, format!("unknown fence kind {k}"))),
         };
         if b[6] != 0 || b[7] != 0 {
@@ -377,6 +383,11 @@ mod tests {
         let b = k.to_bytes();
         assert_eq!(b.len(), GrantKey::ENCODED_LEN);
         assert_eq!(GrantKey::from_bytes(&b).unwrap(), k);
+        let staged = GrantKey {
+            fence: FenceKind::Staged,
+            ..k
+        };
+        assert_eq!(GrantKey::from_bytes(&staged.to_bytes()).unwrap(), staged);
         assert_eq!(k.remote_addr(4000, 96).unwrap(), 0x7f00_0000_1000 + 4000);
         for (off, len) in [(4000, 97), (4096, 1), (0, 0), (u64::MAX, 2)] {
             assert_eq!(
@@ -437,10 +448,10 @@ mod tests {
             (
                 {
                     let mut b = good.clone();
-                    b[5] = 3;
+                    b[5] = 4;
                     b
                 },
-                "fence kind 3",
+                "fence kind 4",
             ),
             (
                 {

@@ -31,8 +31,9 @@ use crate::transport::{
 pub use super::RdmaConfig;
 
 use super::fence::FencedGrant;
-use super::keys::{Endpoint, GrantKey};
+use super::keys::{Endpoint, FenceKind, GrantKey};
 use super::verbs::{Device, MemoryRegistration, QueuePair, RemoteAccess, RemoteOp, Run, flushed};
+use crate::transport::cuda::gpudirect::{Capabilities, Notice, RegistrationPath, decide};
 
 /// Checks a grant access on the target: the engine's admission (grant table, token, expiry,
 /// access kind); returns the buffer's region and the grant. With the seam's `Admission`:
@@ -48,6 +49,15 @@ pub struct RdmaNode {
     local: Mutex<HashMap<usize, Arc<MemoryRegistration>>>,
     /// Fenced grants by epoch, with the wire reference they were issued for.
     granted: Mutex<HashMap<u64, (GrantRef, FencedGrant)>>,
+    /// The engine this node serves (for its log lines); set when the transport starts.
+    engine: std::sync::OnceLock<String>,
+    /// How this engine's GPU memory reaches the device: decided at its first GPU region, and
+    /// turned to staging for good if the device refuses a dma-buf registration.
+    gpu_path: Mutex<Option<RegistrationPath>>,
+    /// Says "staged, because ..." once per engine.
+    notice: Notice,
+    /// Whether the first GPUDirect registration was logged.
+    gpudirect_said: AtomicBool,
 }
 
 impl std::fmt::Debug for RdmaNode {
@@ -89,7 +99,89 @@ impl RdmaNode {
             gid_index,
             local: Mutex::new(HashMap::new()),
             granted: Mutex::new(HashMap::new()),
+            engine: std::sync::OnceLock::new(),
+            gpu_path: Mutex::new(None),
+            notice: Notice::default(),
+            gpudirect_said: AtomicBool::new(false),
         }))
+    }
+
+    fn engine_name(&self) -> &str {
+        self.engine.get().map(String::as_str).unwrap_or("rdma")
+    }
+
+    /// How GPU memory of `region`'s device reaches this RDMA device: GPUDirect RDMA where the
+    /// GPU exports dma-bufs, else staged through pinned host memory (said once, with why).
+    /// Probed at the first GPU region and kept.
+    pub fn gpu_path(&self, region: &Region) -> RegistrationPath {
+        let mut p = self.gpu_path.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(path) = &*p {
+            return path.clone();
+        }
+        let gpu_dmabuf = match region.device() {
+            Some(dev) => dev
+                .dmabuf_supported()
+                .map_err(|e| format!("{}: {}", dev.describe(), e.detail())),
+            None => Err("the region is host memory".into()),
+        };
+        let path = decide(&Capabilities {
+            rdma_built: true,
+            rdma_device: Some(self.device.name().to_string()),
+            gpu_dmabuf,
+        });
+        self.notice.staged_once(self.engine_name(), &path);
+        *p = Some(path.clone());
+        path
+    }
+
+    /// The device refused a dma-buf registration: this engine stages GPU memory from now on.
+    fn fall_back(&self, why: &Error) -> RegistrationPath {
+        let path = RegistrationPath::Staged(format!(
+            "{} refused to register GPU memory: {}",
+            self.device.name(),
+            why.detail()
+        ));
+        *self.gpu_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(path.clone());
+        self.notice.staged_once(self.engine_name(), &path);
+        path
+    }
+
+    /// Whether `region` is GPU memory this engine stages (no registration of its own).
+    fn stages(&self, region: &Region) -> bool {
+        region.is_device() && matches!(self.gpu_path(region), RegistrationPath::Staged(_))
+    }
+
+    /// Registers GPU memory through a dma-buf, or says why not and turns to staging.
+    fn register_gpu(
+        &self,
+        region: &Arc<Region>,
+        offset: u64,
+        len: u64,
+        access: RemoteAccess,
+    ) -> Result<Option<MemoryRegistration>> {
+        if self.stages(region) {
+            return Ok(None);
+        }
+        match self.device.register(region, offset, len, access) {
+            Ok(r) => {
+                if !self.gpudirect_said.swap(true, Ordering::AcqRel) {
+                    tracing::info!(
+                        engine = self.engine_name(),
+                        device = self.device.name(),
+                        gpu = region.device().map(|d| d.describe()).unwrap_or_default(),
+                        path = RegistrationPath::Dmabuf.name(),
+                        "rdma: GPUDirect RDMA: GPU memory is registered with the device as a dma-buf"
+                    );
+                }
+                Ok(Some(r))
+            }
+            // the export or the registration refused (a bad range is the caller's error)
+            Err(e) if e.kind() != ErrorKind::Resource => Err(e),
+            Err(e) => {
+                self.fall_back(&e);
+                Ok(None)
+            }
+        }
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -103,7 +195,14 @@ impl RdmaNode {
     /// The register hook: registers a buffer's region for local use (the source of writes,
     /// the landing of reads).
     pub fn on_register(&self, _buffer: u32, region: &Arc<Region>) -> Result<()> {
-        self.local_registration(region).map(|_| ())
+        if self.stages(region) {
+            return Ok(());
+        }
+        match self.local_registration(region) {
+            // refused: GPU memory stages from now on (said once), the buffer still registers
+            Err(_) if self.stages(region) => Ok(()),
+            r => r.map(|_| ()),
+        }
     }
 
     /// The unregister hook: drops the region's local registration (in-flight slices hold
@@ -134,18 +233,37 @@ impl RdmaNode {
     /// it, as in tools and tests that drive a link directly, are registered on first use).
     pub fn local_registration(&self, region: &Arc<Region>) -> Result<Arc<MemoryRegistration>> {
         if let Some(r) = self.lock_local().get(&region.addr())
-            && Arc::ptr_eq(r.region(), region)
+            && r.is_over(region)
         {
             return Ok(r.clone());
         }
-        let r = Arc::new(self.device.register(
-            region,
-            0,
-            region.len() as u64,
-            RemoteAccess::ReadWrite,
-        )?);
+        let whole = (0, region.len() as u64, RemoteAccess::ReadWrite);
+        let r = if region.is_device() {
+            Arc::new(
+                self.register_gpu(region, whole.0, whole.1, whole.2)?
+                    .ok_or_else(|| self.staged_error(region, "register it for local use"))?,
+            )
+        } else {
+            Arc::new(self.device.register(region, whole.0, whole.1, whole.2)?)
+        };
         self.lock_local().insert(region.addr(), r.clone());
         Ok(r)
+    }
+
+    /// Why GPU memory that this engine stages cannot be `what` directly.
+    fn staged_error(&self, region: &Region, what: &str) -> Error {
+        let why = match self.gpu_path(region) {
+            RegistrationPath::Staged(why) => why,
+            RegistrationPath::Dmabuf => "GPUDirect RDMA refused".into(),
+        };
+        Error::new(
+            ErrorKind::Resource,
+            format!(
+                "rdma: cannot {what}: {} bytes of GPU memory ({}) without GPUDirect RDMA ({why})",
+                region.len(),
+                region.device().map(|d| d.describe()).unwrap_or_default()
+            ),
+        )
     }
 
     /// The key for `grant` over `region`: a memory region registered over exactly the granted
@@ -161,11 +279,38 @@ impl RdmaNode {
             Access::Write => RemoteAccess::Write,
             Access::Read => RemoteAccess::Read,
         };
-        let fenced = FencedGrant::register(&self.device, region, grant.offset, grant.len, access)?;
+        let fenced = if region.is_device() {
+            // Without GPUDirect the key names a host bounce buffer instead; the initiator asks
+            // for each write to be copied to the GPU (`sync_grant`).
+            match self.register_gpu(region, grant.offset, grant.len, access)? {
+                Some(r) => FencedGrant::registered(r, grant.len),
+                None => FencedGrant::bounce(&self.device, region, grant.offset, grant.len, access)?,
+            }
+        } else {
+            FencedGrant::register(&self.device, region, grant.offset, grant.len, access)?
+        };
         let key = fenced.key();
         self.lock_granted()
             .insert(grant.epoch, (grant.wire(), fenced));
         Ok(key)
+    }
+
+    /// Copies `part..part+len` of a staged grant (GPU memory behind a bounce buffer) from the
+    /// bounce buffer to the GPU, after a peer's write landed there. Runs under the grants'
+    /// lock, so a revoke waits for it, and a grant revoked before it gets no byte.
+    pub fn sync_grant(&self, grant: &GrantRef, part: u64, len: u64) -> Result<()> {
+        let g = self.lock_granted();
+        match g.get(&grant.epoch) {
+            Some((wire, f)) if wire == grant => f.sync(part, len),
+            _ => Err(Error::new(
+                ErrorKind::GrantRevoked,
+                format!(
+                    "rdma: grant epoch {} of buffer {} was revoked before its staged bytes \
+                     reached GPU memory",
+                    grant.epoch, grant.buffer
+                ),
+            )),
+        }
     }
 
     /// The revoke hook: once this returns, the grant's rkey is refused by the device.
@@ -238,6 +383,8 @@ impl RdmaNode {
 
 const REQ_CONNECT: u8 = 1;
 const REQ_RESOLVE: u8 = 2;
+/// After a write into a staged grant: copy what landed in the bounce buffer to the GPU.
+const REQ_SYNC: u8 = 3;
 const MAX_FRAME: usize = 4096;
 
 fn write_frame(s: &mut TcpStream, tag: u8, payload: &[u8]) -> std::io::Result<()> {
@@ -308,6 +455,32 @@ fn encode_resolve(access: Access, g: &GrantRef) -> Vec<u8> {
     b.extend_from_slice(&g.epoch.to_le_bytes());
     b.extend_from_slice(&g.token.to_le_bytes());
     b
+}
+
+/// `[part u64][len u64]` then the write grant's resolve payload.
+fn encode_sync(part: u64, len: u64, g: &GrantRef) -> Vec<u8> {
+    let mut b = Vec::with_capacity(37);
+    b.extend_from_slice(&part.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b.extend_from_slice(&encode_resolve(Access::Write, g));
+    b
+}
+
+fn decode_sync(p: &[u8]) -> Result<(u64, u64, GrantRef)> {
+    if p.len() != 37 {
+        return Err(Error::new(
+            ErrorKind::Malformed,
+            format!("rdma sync request of {} bytes, expected 37", p.len()),
+        ));
+    }
+    let u64_at = |i: usize| u64::from_le_bytes(p[i..i + 8].try_into().expect("8 bytes"));
+    match decode_resolve(&p[16..])? {
+        (Access::Write, g) => Ok((u64_at(0), u64_at(8), g)),
+        (Access::Read, _) => Err(Error::new(
+            ErrorKind::Malformed,
+            "rdma sync request for a read grant",
+        )),
+    }
 }
 
 fn decode_resolve(p: &[u8]) -> Result<(Access, GrantRef)> {
@@ -521,6 +694,18 @@ fn serve(
                 let (region, grant) = admit(access, wire)?;
                 Ok(node.grant_key(&grant, &region)?.to_bytes())
             })(),
+            REQ_SYNC => (|| {
+                if !admitted {
+                    return Err(Error::new(
+                        ErrorKind::AccessDenied,
+                        "rdma control: a sync before queue pair setup",
+                    ));
+                }
+                let (part, len, grant) = decode_sync(&p)?;
+                // the engine's admission first: expired, unknown, wrong token
+                admit(Access::Write, grant)?;
+                node.sync_grant(&grant, part, len).map(|_| Vec::new())
+            })(),
             k => Err(Error::new(
                 ErrorKind::Malformed,
                 format!("rdma control: unknown request kind {k}"),
@@ -587,6 +772,7 @@ pub(super) fn start(
             control = %server.addr(),
             "rdma: engine serves its memory through this device"
         );
+        let _ = node.engine.set(engine.engine().to_string());
         let mut t = RdmaTransport::new(node);
         t.addr = Some(server.addr());
         t.secret = Some(secret);
@@ -944,21 +1130,92 @@ impl Shared {
         key: &GrantKey,
         local: &Arc<MemoryRegistration>,
     ) -> Result<Vec<RemoteOp>> {
-        key.remote_addr(op.grant_offset, op.len)?;
+        self.ops_at(op, key, local, op.local_offset, 0, op.len)
+    }
+
+    /// The work requests for `len` bytes of `op` from `part` on (its grant offset + `part`),
+    /// to or from `local` at `local_offset`.
+    fn ops_at(
+        &self,
+        op: &SliceOp,
+        key: &GrantKey,
+        local: &Arc<MemoryRegistration>,
+        local_offset: u64,
+        part: u64,
+        len: u64,
+    ) -> Result<Vec<RemoteOp>> {
+        let grant_offset = op.grant_offset + part;
+        key.remote_addr(grant_offset, len)?;
         let wr = self.node.cfg.work_request_size.max(1) as u64;
-        Ok((0..op.len.div_ceil(wr))
+        Ok((0..len.div_ceil(wr))
             .map(|i| {
                 let off = i * wr;
                 RemoteOp {
                     write: op.kind == OpKind::Write,
                     local: local.clone(),
-                    local_offset: op.local_offset + off,
-                    len: wr.min(op.len - off) as u32,
-                    remote_addr: key.addr + op.grant_offset + off,
+                    local_offset: local_offset + off,
+                    len: wr.min(len - off) as u32,
+                    remote_addr: key.addr + grant_offset + off,
                     rkey: key.rkey,
                 }
             })
             .collect())
+    }
+
+    /// Runs `len` bytes of `op` from `part` on, to or from a registered staging buffer
+    /// (blocking): connects as needed, runs once more on a fresh queue pair if another run's
+    /// failure flushed it, and explains a refusal as [`finish_off_thread`] does.
+    #[allow(clippy::too_many_arguments)]
+    fn run_part(
+        &self,
+        op: &SliceOp,
+        local: &Arc<MemoryRegistration>,
+        local_offset: u64,
+        part: u64,
+        len: u64,
+        cancel: &AtomicBool,
+    ) -> Result<()> {
+        let key = Self::op_key(op)?;
+        let mut again = true;
+        loop {
+            let conn = self.connection()?;
+            let ops = self.ops_at(op, &key, local, local_offset, part, len)?;
+            let run = conn
+                .qp
+                .start(ops, Instant::now() + self.node.cfg.slice_deadline)?;
+            match self.finish(run, &conn, cancel) {
+                Err(e) if flushed(&e) && again && !cancel.load(Ordering::Acquire) => again = false,
+                Err(e) => return Err(self.explain(&conn, op, e)),
+                Ok(()) if key.fence == FenceKind::Staged && op.kind == OpKind::Write => {
+                    return self.sync(&conn, op, part, len);
+                }
+                Ok(()) => return Ok(()),
+            }
+        }
+    }
+
+    /// Asks the target to copy `len` bytes written from `part` of a staged grant to its GPU.
+    fn sync(&self, conn: &Conn, op: &SliceOp, part: u64, len: u64) -> Result<()> {
+        let reply = {
+            let mut s = conn.control.lock().unwrap_or_else(|p| p.into_inner());
+            write_frame(
+                &mut s,
+                REQ_SYNC,
+                &encode_sync(op.grant_offset + part, len, &op.grant),
+            )
+            .map_err(|e| io_err("ask for a staged write's copy to GPU memory", e))?;
+            read_frame(&mut s)?
+        };
+        match reply {
+            (0, _) => Ok(()),
+            (_, p) => Err(decode_error(&p)),
+        }
+    }
+
+    /// Whether `op` goes through [`run_staged`]: its local memory is GPU memory this engine
+    /// stages, or its grant is staged on the target (each write is followed by a sync).
+    fn needs_staging(&self, op: &SliceOp) -> bool {
+        self.node.stages(&op.local) || Self::op_key(op).is_ok_and(|k| k.fence == FenceKind::Staged)
     }
 
     /// Everything needed is at hand (connected, key known, memory registered): start the run
@@ -974,7 +1231,7 @@ impl Shared {
             .node
             .lock_local()
             .get(&op.local.addr())
-            .filter(|r| Arc::ptr_eq(r.region(), &op.local))
+            .filter(|r| r.is_over(&op.local))
             .cloned()?;
         Some(
             Self::op_key(op)
@@ -1125,6 +1382,65 @@ fn finish_off_thread(
     })
 }
 
+/// A slice whose local memory is GPU memory this engine stages (no GPUDirect RDMA): one staging
+/// buffer at a time from the GPU's pinned pool, copied from the GPU before a write and to it
+/// after a read, registered with the device for that one run. The buffer goes back (after its
+/// registration is dropped) on every path, a dropped future included. A write into a grant
+/// the target stages is followed by a sync (the target copies it to its GPU), either way.
+async fn run_staged(
+    this: Arc<Shared>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    op: SliceOp,
+) -> Result<()> {
+    let _run_permit = permit;
+    let dev = match op.local.device() {
+        Some(dev) if this.node.stages(&op.local) => dev.clone(),
+        // local memory the device registers; only the target stages (the run, then a sync)
+        _ => {
+            let cancel = Arc::new(AtomicBool::new(false));
+            let guard = CancelOnDrop(cancel.clone());
+            let (shared, op2) = (this.clone(), op.clone());
+            let r = tokio::task::spawn_blocking(move || {
+                let local = shared.node.local_registration(&op2.local)?;
+                shared.run_part(&op2, &local, op2.local_offset, 0, op2.len, &cancel)
+            })
+            .await
+            .map_err(|e| Error::new(ErrorKind::Io, format!("rdma staged slice task: {e}")))?;
+            drop(guard);
+            return r.map_err(|e| this.failed(e, &op));
+        }
+    };
+    let write = op.kind == OpKind::Write;
+    let pool = dev.staging(write).clone();
+    let mut part = 0u64;
+    while part < op.len {
+        let n = (op.len - part).min(pool.slot_size() as u64);
+        let staged = pool.acquire().await?;
+        if write {
+            op.local
+                .copy_to(op.local_offset + part, staged.region(), 0, n)?;
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        let guard = CancelOnDrop(cancel.clone());
+        let (shared, op2) = (this.clone(), op.clone());
+        let reg = tokio::task::spawn_blocking(move || {
+            let reg = Arc::new(shared.node.device.register_staged(staged, n)?);
+            shared.run_part(&op2, &reg, 0, part, n, &cancel)?;
+            Ok::<_, Error>(reg)
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Io, format!("rdma staged slice task: {e}")))?
+        .map_err(|e| this.failed(e, &op))?;
+        drop(guard);
+        if !write {
+            let landed = reg.staged().expect("a staging registration");
+            landed.copy_to(0, &op.local, op.local_offset + part, n)?;
+        }
+        part += n;
+    }
+    Ok(())
+}
+
 /// Pumps a posted run to its end as a task, waiting on the completion channel through the
 /// runtime's reactor ([`Run::wait_async`]), and watching the control connection as
 /// [`Shared::finish`] does. `Err` where it continues on a blocking thread: no reactor
@@ -1222,6 +1538,9 @@ impl Link for RdmaLink {
                 .acquire_owned()
                 .await
                 .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
+            if this.needs_staging(&op) {
+                return run_staged(this, permit, op).await;
+            }
             // posted right here, so a batch's slices go out back to back; alone on the queue
             // pair, a latency-sized slice also spins for its completion here
             let alone = this.runs.available_permits() + 1 >= this.max_runs;
@@ -1245,6 +1564,9 @@ impl Link for RdmaLink {
             return None;
         }
         let this = self.lane();
+        if this.needs_staging(op) {
+            return None;
+        }
         // only when nothing else is under way on the queue pair: a batch's slices are posted
         // back to back by `execute` instead of each waiting for the one before
         if !this.idle() {

@@ -30,6 +30,7 @@ use sideway::ibverbs::queue_pair::{
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::Region;
+use crate::staging::Staged;
 
 use super::keys::{Endpoint, mtu_bytes_valid};
 
@@ -226,14 +227,88 @@ impl Device {
         }
         let mut flags = AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind;
         flags |= access.flags();
+        if region.is_device() {
+            return self.register_dmabuf(region, offset, len, flags);
+        }
         // SAFETY: region.check proved off..off+n lies inside the region, and the registration
         // holds an Arc of the region, so the memory outlives the MR (deregistered on drop).
         let mr = unsafe { self.pd.reg_mr(region.addr() + off, n, flags) }
             .map_err(|e| self.err(None, &format!("register {n} bytes"), chain(&e)))?;
         Ok(MemoryRegistration {
             mr,
-            region: region.clone(),
+            memory: Kept::Region(region.clone()),
             offset,
+            len,
+        })
+    }
+
+    /// GPUDirect RDMA: registers `offset..offset+len` of GPU memory through a dma-buf its
+    /// device exports, so the HCA reads and writes the GPU's memory itself. Peers name device
+    /// addresses (the MR's iova is the range's device address), exactly as they name host
+    /// addresses of host memory. A refusal names the step: the export (the GPU or its driver
+    /// cannot) or `ibv_reg_dmabuf_mr` (the HCA, its driver, the kernel or rdma-core cannot;
+    /// rdma-core before 34 has no such call and answers EOPNOTSUPP).
+    fn register_dmabuf(
+        &self,
+        region: &Arc<Region>,
+        offset: u64,
+        len: u64,
+        flags: AccessFlags,
+    ) -> Result<MemoryRegistration> {
+        let (off, n) = region.check(offset, len)?;
+        let (fd, at) = region.export_dmabuf(offset, len).map_err(|e| {
+            self.err(
+                None,
+                &format!("export {n} bytes of GPU memory as a dma-buf"),
+                e.detail(),
+            )
+        })?;
+        let iova = (region.addr() + off) as u64;
+        // SAFETY: fd is a live dma-buf of the GPU pages around off..off+n, and at..at+n is the
+        // range inside it (export_dmabuf). The kernel takes its own reference to the dma-buf
+        // for the MR, so closing fd after this call is fine, and the registration holds an Arc
+        // of the region, so the device allocation outlives the MR (deregistered on drop).
+        let mr =
+            unsafe { self.pd.reg_dmabuf_mr(at, n, iova, fd.as_raw_fd(), flags) }.map_err(|e| {
+                self.err(
+                    None,
+                    &format!("ibv_reg_dmabuf_mr of {n} bytes of GPU memory"),
+                    chain(&e),
+                )
+            })?;
+        Ok(MemoryRegistration {
+            mr,
+            memory: Kept::Region(region.clone()),
+            offset,
+            len,
+        })
+    }
+
+    /// Registers a lent staging buffer's first `len` bytes for local use (the source of a
+    /// staged write, the landing of a staged read). The registration owns the buffer: it goes
+    /// back to its pool only after the MR is deregistered.
+    pub fn register_staged(&self, staged: Staged, len: u64) -> Result<MemoryRegistration> {
+        let (_, n) = staged.region().check(0, len)?;
+        if n == 0 || staged.region().is_device() {
+            return Err(Error::new(
+                ErrorKind::InvalidLength,
+                "rdma: a staging buffer is non-empty host memory",
+            ));
+        }
+        let flags = AccessFlags::LocalWrite;
+        // SAFETY: 0..n lies inside the buffer (checked), host memory that stays allocated while
+        // the registration holds the `Staged` guard (dropped after the MR: field order).
+        let mr = unsafe { self.pd.reg_mr(staged.region().addr(), n, flags) }.map_err(|e| {
+            self.err(
+                None,
+                &format!("register a {n} byte staging buffer"),
+                chain(&e),
+            )
+        })?;
+        Ok(MemoryRegistration {
+            mr,
+            memory: Kept::Staged(staged),
+            offset: 0,
             len,
         })
     }
@@ -287,12 +362,19 @@ fn mtu_from_bytes(b: u32) -> Mtu {
     }
 }
 
-/// A memory region over part of an engine [`Region`]; holds the region alive.
+/// A memory region over part of an engine [`Region`] or over a staging buffer; holds the
+/// memory alive (declared after `mr`, so it is released after the MR is deregistered).
 pub struct MemoryRegistration {
     mr: Arc<MemoryRegion>,
-    region: Arc<Region>,
+    memory: Kept,
     offset: u64,
     len: u64,
+}
+
+/// The memory a registration keeps alive.
+enum Kept {
+    Region(Arc<Region>),
+    Staged(Staged),
 }
 
 impl std::fmt::Debug for MemoryRegistration {
@@ -326,8 +408,35 @@ impl MemoryRegistration {
     pub fn offset(&self) -> u64 {
         self.offset
     }
-    pub fn region(&self) -> &Arc<Region> {
-        &self.region
+    /// The engine region registered (`None` for a staging buffer).
+    pub fn region(&self) -> Option<&Arc<Region>> {
+        match &self.memory {
+            Kept::Region(r) => Some(r),
+            Kept::Staged(_) => None,
+        }
+    }
+    /// Checks `local_offset..+len` (from the registration's first byte) lies inside the
+    /// memory it keeps.
+    fn check(&self, local_offset: u64, len: u64) -> Result<()> {
+        let at = self
+            .offset
+            .checked_add(local_offset)
+            .ok_or_else(|| Error::new(ErrorKind::OutOfBuffer, "rdma: local offset overflows"))?;
+        match &self.memory {
+            Kept::Region(r) => r.check(at, len).map(|_| ()),
+            Kept::Staged(s) => s.region().check(at, len).map(|_| ()),
+        }
+    }
+    /// Whether this registers (part of) `region` itself.
+    pub fn is_over(&self, region: &Arc<Region>) -> bool {
+        self.region().is_some_and(|r| Arc::ptr_eq(r, region))
+    }
+    /// The staging buffer registered, if this is one.
+    pub fn staged(&self) -> Option<&Region> {
+        match &self.memory {
+            Kept::Region(_) => None,
+            Kept::Staged(s) => Some(s.region()),
+        }
     }
 }
 
@@ -1056,9 +1165,7 @@ impl QueuePair {
     /// runs may be under way on one queue pair; they share its send queue.
     pub fn start(self: &Arc<Self>, ops: Vec<RemoteOp>, deadline: Instant) -> Result<Run> {
         for op in &ops {
-            op.local
-                .region
-                .check(op.local.offset + op.local_offset, op.len as u64)?;
+            op.local.check(op.local_offset, op.len as u64)?;
             if op.local_offset + op.len as u64 > op.local.len {
                 return Err(Error::new(
                     ErrorKind::OutOfBuffer,
