@@ -10,7 +10,8 @@
 #       run per slice; --runtime current: one runtime thread), right after, in the same VM,
 #       and the medians are printed per variant ("now" / "before")
 #
-# Builds the release binary on the host first (the VM runs host binaries). Bandwidth ratios are
+# Builds the release binary on the host first (the VM runs host binaries; OMNIRIG_BENCH_BIN
+# names one already built instead). Bandwidth ratios are
 # of MiB/s (perftest's MB/sec is 2^20 bytes/s); the 8-byte latency ratio is the engine's p50
 # (post to acknowledged completion, a full round trip on RC) over twice ib_write_lat's
 # t_typical (it prints half a ping-pong round trip).
@@ -21,8 +22,13 @@ secs=${2:-2}
 paired=${3:-}
 variants=("now:")
 [[ $paired == --paired ]] && variants+=("before:OMNIRIG_RDMA_BATCH=off --runtime current")
-cargo build --release --locked --features rdma --bin omnirig >&2
-omnirig=$PWD/target/release/omnirig
+# OMNIRIG_BENCH_BIN: a binary already built (with --features rdma) to measure instead
+if [[ -n ${OMNIRIG_BENCH_BIN:-} ]]; then
+  omnirig=$(realpath "$OMNIRIG_BENCH_BIN")
+else
+  cargo build --release --locked --features rdma --bin omnirig >&2
+  omnirig=$PWD/target/release/omnirig
+fi
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 t0=$SECONDS

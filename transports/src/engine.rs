@@ -1145,14 +1145,15 @@ impl Engine {
                     epoch,
                 };
                 buf.inflight.fetch_add(1, Ordering::AcqRel);
-                Ok(Prepared {
-                    req: r.clone(),
-                    buf,
-                    _lease: lease,
-                })
+                Ok((buf, lease))
             })()
             .map_err(named)?;
-            prepared.push(p);
+            // moved, not cloned: a request's grant holds a name and keys on the heap
+            prepared.push(Prepared {
+                req: r,
+                buf: p.0,
+                _lease: p.1,
+            });
         }
         let deadline = timeout.map(|t| Instant::now() + t);
         let shared = BatchShared::new(

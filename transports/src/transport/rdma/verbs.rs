@@ -650,7 +650,13 @@ impl Slot {
     }
 
     fn take(&self, out: &mut Vec<Completion>) {
-        out.append(&mut self.inbox().done);
+        let mut inbox = self.inbox();
+        if out.is_empty() {
+            // hand over the inbox's allocation instead of copying into a second one
+            std::mem::swap(out, &mut inbox.done);
+        } else {
+            out.append(&mut inbox.done);
+        }
     }
 
     fn is_empty(&self) -> bool {
@@ -1121,7 +1127,8 @@ impl QueuePair {
             outstanding: 0,
             failure: None,
             deadline,
-            done: Vec::with_capacity(self.max_outstanding as usize),
+            // filled by swapping with the slot's inbox (no allocation of its own)
+            done: Vec::new(),
             finished: false,
             completed: 0,
             failed_op: None,
