@@ -8,7 +8,8 @@
 #       runs (default 3); seconds per ib_write_bw point (default 2); --paired: each run also
 #       runs the engine as it was before issue 12's batching work (OMNIRIG_RDMA_BATCH=off: one
 #       run per slice; --runtime current: one runtime thread), right after, in the same VM,
-#       and the medians are printed per variant ("now" / "before")
+#       and the medians are printed per variant ("now" / "before"); RDMA_BENCH_VARIANTS
+#       names other variants ("label:ENV=VALUE --bench-arg value;label2:...")
 #
 # Builds the release binary on the host first (the VM runs host binaries; OMNIRIG_BENCH_BIN
 # names one already built instead). Bandwidth ratios are
@@ -22,6 +23,11 @@ secs=${2:-2}
 paired=${3:-}
 variants=("now:")
 [[ $paired == --paired ]] && variants+=("before:OMNIRIG_RDMA_BATCH=off --runtime current")
+# RDMA_BENCH_VARIANTS="label:ENV=V --arg v;label2:..." replaces the variants (e.g. to tell the
+# batching and the runtime apart)
+if [[ -n ${RDMA_BENCH_VARIANTS:-} ]]; then
+  IFS=';' read -r -a variants <<< "$RDMA_BENCH_VARIANTS"
+fi
 # OMNIRIG_BENCH_BIN: a binary already built (with --features rdma) to measure instead
 if [[ -n ${OMNIRIG_BENCH_BIN:-} ]]; then
   omnirig=$(realpath "$OMNIRIG_BENCH_BIN")

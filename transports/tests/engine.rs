@@ -795,9 +795,15 @@ async fn rdma_a_batch_runs_as_one_and_a_failure_names_its_task() {
     drop(batch);
     dst.region().read(0, &mut got).unwrap();
     for i in 0..N {
-        let (have, want) = (&got[i * SLOT..(i + 1) * SLOT], &second[i * SLOT..(i + 1) * SLOT]);
+        let (have, want) = (
+            &got[i * SLOT..(i + 1) * SLOT],
+            &second[i * SLOT..(i + 1) * SLOT],
+        );
         if i == BAD {
-            assert!(have == &first[i * SLOT..(i + 1) * SLOT], "the revoked range changed");
+            assert!(
+                have == &first[i * SLOT..(i + 1) * SLOT],
+                "the revoked range changed"
+            );
         } else {
             assert!(have == want, "slot {i} differs");
         }

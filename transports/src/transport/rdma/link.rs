@@ -1398,7 +1398,10 @@ async fn group_op(g: Arc<Group>, k: usize) -> Result<()> {
     impl Drop for StopOnDrop {
         fn drop(&mut self) {
             if let Some(g) = self.0.take() {
-                g.stop(Error::new(ErrorKind::Canceled, "rdma: the batch's run was stopped"));
+                g.stop(Error::new(
+                    ErrorKind::Canceled,
+                    "rdma: the batch's run was stopped",
+                ));
             }
         }
     }
