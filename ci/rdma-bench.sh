@@ -4,9 +4,15 @@
 # runs) between two perftest runs (ib_write_bw, ib_write_lat) on the same device and prints its
 # ratios against the better perftest figure; this prints each ratio's median and spread.
 #
-#   ci/rdma-bench.sh [RUNS] [SECONDS]     runs (default 3); seconds per ib_write_bw point (default 2)
+#   ci/rdma-bench.sh [RUNS] [SECONDS] [--paired]
+#       runs (default 3); seconds per ib_write_bw point (default 2); --paired: each run also
+#       runs the engine as it was before issue 12's batching work (OMNIRIG_RDMA_BATCH=off: one
+#       run per slice; --runtime current: one runtime thread), right after, in the same VM,
+#       and the medians are printed per variant ("now" / "before"); RDMA_BENCH_VARIANTS
+#       names other variants ("label:ENV=VALUE --bench-arg value;label2:...")
 #
-# Builds the release binary on the host first (the VM runs host binaries). Bandwidth ratios are
+# Builds the release binary on the host first (the VM runs host binaries; OMNIRIG_BENCH_BIN
+# names one already built instead). Bandwidth ratios are
 # of MiB/s (perftest's MB/sec is 2^20 bytes/s); the 8-byte latency ratio is the engine's p50
 # (post to acknowledged completion, a full round trip on RC) over twice ib_write_lat's
 # t_typical (it prints half a ping-pong round trip).
@@ -14,29 +20,47 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-3}
 secs=${2:-2}
-cargo build --release --locked --features rdma --bin omnirig >&2
-omnirig=$PWD/target/release/omnirig
+paired=${3:-}
+variants=("now:")
+[[ $paired == --paired ]] && variants+=("before:OMNIRIG_RDMA_BATCH=off --runtime current")
+# RDMA_BENCH_VARIANTS="label:ENV=V --arg v;label2:..." replaces the variants (e.g. to tell the
+# batching and the runtime apart)
+if [[ -n ${RDMA_BENCH_VARIANTS:-} ]]; then
+  IFS=';' read -r -a variants <<< "$RDMA_BENCH_VARIANTS"
+fi
+# OMNIRIG_BENCH_BIN: a binary already built (with --features rdma) to measure instead
+if [[ -n ${OMNIRIG_BENCH_BIN:-} ]]; then
+  omnirig=$(realpath "$OMNIRIG_BENCH_BIN")
+else
+  cargo build --release --locked --features rdma --bin omnirig >&2
+  omnirig=$PWD/target/release/omnirig
+fi
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 t0=$SECONDS
-ci/softroce.sh run --timeout $((120 + runs * 240)) -- "set -o pipefail
+ci/softroce.sh run --timeout $((120 + runs * ${#variants[@]} * 240)) -- "set -o pipefail
 for i in \$(seq $runs); do
-  echo \"== run \$i of $runs\"
-  $omnirig bench transfer --transport rdma --sizes 8,64K,1M --budget 256M --max-iters 2000 \
-    --perftest-seconds $secs 2> /tmp/bench.err || { cat /tmp/bench.err >&2; exit 1; }
+  for v in ${variants[*]@Q}; do
+    label=\${v%%:*}; spec=\${v#*:}; envs=(); args=()
+    for w in \$spec; do [[ \$w == *=* ]] && envs+=(\"\$w\") || args+=(\"\$w\"); done
+    echo \"== run \$i of $runs variant \$label\"
+    env \"\${envs[@]}\" $omnirig bench transfer --transport rdma --sizes 8,64K,1M --budget 256M \\
+      --max-iters 2000 --perftest-seconds $secs \"\${args[@]}\" 2> /tmp/bench.err \\
+      | sed \"s/^ratio /ratio[\$label] /\" || { cat /tmp/bench.err >&2; exit 1; }
+  done
 done" | tee "$out"
 echo "== $runs runs in $((SECONDS - t0)) s (VM boot included); median (min-max) over the runs:"
 python3 - "$out" << 'PY'
 import re, statistics, sys
 ratios = {}
 for line in open(sys.argv[1]):
-    m = re.match(r"ratio (\S+) (\S+): ([0-9.]+)x (\S+)", line)
+    m = re.match(r"ratio\[(\S+)\] (\S+) (\S+): ([0-9.]+)x (\S+)", line)
     if m:
-        ratios.setdefault((m[1], m[2], m[4]), []).append(float(m[3]))
+        ratios.setdefault((m[2], m[3], m[5], m[1]), []).append(float(m[4]))
 if not ratios:
     sys.exit("no ratio lines: did perftest run in the VM?")
-for (op, size, tool), v in ratios.items():
+for (op, size, tool, label), v in sorted(ratios.items(), key=lambda kv: kv[0][:3]):
     target = "<= 1.3" if tool == "ib_write_lat" else ">= 0.9"
-    print(f"{op:>9} {size:>4}: {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f}) {tool}"
-          f"{' round trip' if tool == 'ib_write_lat' else ''}, {len(v)} runs; target {target}")
+    print(f"{op:>9} {size:>4} [{label}]: {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f}) "
+          f"{tool}{' round trip' if tool == 'ib_write_lat' else ''}, {len(v)} runs; target {target}")
 PY

@@ -169,6 +169,11 @@ pub struct TransferArgs {
     /// engine where perftest is installed).
     #[arg(long, default_value_t = 2)]
     perftest_seconds: u64,
+    /// The tokio runtime the engine runs on: `multi` (multi-threaded, the engine driven from
+    /// a spawned task, as in `omnirig run`) or `current` (one thread). Default: multi for
+    /// rdma, current for the others.
+    #[arg(long, value_enum)]
+    runtime: Option<transfer::Runtime>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -228,6 +233,10 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 max_iters: a.max_iters.max(a.min_iters.max(1)),
                 tcp,
                 perftest_seconds: a.perftest_seconds,
+                runtime: a.runtime.unwrap_or(match a.transport {
+                    TransportKind::Rdma => transfer::Runtime::Multi,
+                    _ => transfer::Runtime::Current,
+                }),
             };
             let results = transfer::run(&opts)?;
             print!("{}", results.table());

@@ -1145,14 +1145,15 @@ impl Engine {
                     epoch,
                 };
                 buf.inflight.fetch_add(1, Ordering::AcqRel);
-                Ok(Prepared {
-                    req: r.clone(),
-                    buf,
-                    _lease: lease,
-                })
+                Ok((buf, lease))
             })()
             .map_err(named)?;
-            prepared.push(p);
+            // moved, not cloned: a request's grant holds a name and keys on the heap
+            prepared.push(Prepared {
+                req: r,
+                buf: p.0,
+                _lease: p.1,
+            });
         }
         let deadline = timeout.map(|t| Instant::now() + t);
         let shared = BatchShared::new(
@@ -1166,12 +1167,23 @@ impl Engine {
         // A lone request may also start on this thread on a link that waits briefly for its
         // device (rdma); in a batch of several, that would post them one after the other.
         let alone = prepared.len() == 1;
+        // A batch of several single-slice requests to one connected peer may start as one
+        // (rdma: one run, its work requests posted as chains) instead of one slice each.
+        let mut together = match alone {
+            true => None,
+            false => span.in_scope(|| inner.try_batch(&prepared)),
+        }
+        .map(|v| v.into_iter());
         for (i, p) in prepared.into_iter().enumerate() {
             core.live.tasks.fetch_add(1, Ordering::AcqRel);
             // The count is given back by this guard however the task ends, even when its
             // driver future is dropped before its first poll (`transfer` ending on an early
             // failure), which used to leave the count up for good.
             let alive = TaskAlive(core.live.clone());
+            if let Some(begun) = together.as_mut().and_then(|t| t.next()) {
+                rest.push((i, p, alive, Some(begun)));
+                continue;
+            }
             if let Some(p) = span.in_scope(|| inner.try_inline(&shared, i, p, alive, alone)) {
                 rest.push(p);
             }
@@ -1408,6 +1420,30 @@ impl EngineInner {
         batch.lock().start(i);
         conclude(batch, i, p, alive, &span, started, outcome);
         None
+    }
+
+    /// Starts a batch's requests together through [`Link::start_batch`] when they all go to
+    /// one connected peer in one slice each: one future per request, in order. `None`: they
+    /// run one by one.
+    fn try_batch(&self, prepared: &[Prepared]) -> Option<Vec<BoxFuture<'static, Result<()>>>> {
+        let segment = &prepared.first()?.req.grant.segment;
+        if prepared.iter().any(|p| &p.req.grant.segment != segment) {
+            return None;
+        }
+        let peer = self.peers.try_lock().ok()?.get(segment).cloned()?;
+        let slice_size = peer.link.slicing().slice_size;
+        if prepared.iter().any(|p| p.req.len > slice_size) {
+            return None;
+        }
+        let ops: Vec<SliceOp> = prepared
+            .iter()
+            .map(|p| {
+                let key = p.req.grant.key(peer.info.transport).map(Arc::from);
+                p.req.slice(&p.buf.region, &key, 0, p.req.len)
+            })
+            .collect();
+        let futures = peer.link.start_batch(&ops)?;
+        (futures.len() == ops.len()).then_some(futures)
     }
 
     /// The peer's link, connecting (and logging the selection) the first time.

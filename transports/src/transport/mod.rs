@@ -339,6 +339,16 @@ pub trait Link: Send + Sync + 'static {
     fn start_inline(&self, _op: &SliceOp) -> Option<Started> {
         None
     }
+
+    /// Starts the slices of a batch's single-slice requests together (`ops`, one per request)
+    /// where the link can hand them to its device as one (rdma: one run, its work requests
+    /// posted as chains, one doorbell each) instead of one `execute` each. Returns one future
+    /// per op, each ending as that op's `execute` would (dropping one before it ended stops
+    /// the whole group; the others then run again on their own). `None`: not possible now
+    /// (not connected, no room), use `execute`.
+    fn start_batch(&self, _ops: &[SliceOp]) -> Option<Vec<BoxFuture<'static, Result<()>>>> {
+        None
+    }
 }
 
 /// A slice [`Link::start_inline`] started.

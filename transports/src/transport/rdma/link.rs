@@ -1303,6 +1303,8 @@ fn fmt_gid(g: &[u8; 16]) -> std::net::Ipv6Addr {
 enum Next {
     /// Connect / register as needed, then run.
     Start,
+    /// As `Start`, for a slice a flush already stopped once (it is not run a third time).
+    Again,
     /// The inline spin did not see the end: keep pumping.
     Resume(Run, Arc<Conn>),
     /// The device refused the access: ask the peer why.
@@ -1349,6 +1351,7 @@ fn finish_off_thread(
                     (next, retried)
                 }
             },
+            Next::Again => (Next::Start, true),
             next => (next, false),
         };
         let cancel = Arc::new(AtomicBool::new(false));
@@ -1363,7 +1366,7 @@ fn finish_off_thread(
             loop {
                 let (run, conn) = match next {
                     Next::Resume(run, conn) => (run, conn),
-                    Next::Start => shared.start(&op2)?,
+                    Next::Start | Next::Again => shared.start(&op2)?,
                     Next::Explain(e, conn) => return Err(shared.explain(&conn, &op2, e)),
                 };
                 match shared.finish(run, &conn, &c) {
@@ -1482,6 +1485,287 @@ fn wait_as_task() -> bool {
     *AS_TASK.get_or_init(|| std::env::var("OMNIRIG_RDMA_WAIT").as_deref() != Ok("thread"))
 }
 
+/// Whether a batch's single-slice requests go out as one run ([`Link::start_batch`]);
+/// `OMNIRIG_RDMA_BATCH=off` makes each slice its own run, as before, to measure the two in one
+/// run.
+fn batch_as_one_run() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("OMNIRIG_RDMA_BATCH").as_deref() != Ok("off"))
+}
+
+/// A batch's slices as one [`Run`] on one queue pair ([`Link::start_batch`]): their work
+/// requests go out as chains (one doorbell per chain) and one waiter reaps for all. Each op's
+/// future drives the run while it is the one polling (whichever comes first; another takes
+/// over if it goes away), the others sleep until it ended; then each reads its own fate from
+/// where the run stopped (a queue pair completes in order).
+struct Group {
+    lane: Arc<Shared>,
+    conn: Arc<Conn>,
+    ops: Vec<SliceOp>,
+    /// Op `k`'s work requests are the run's `bounds[k]..bounds[k + 1]`.
+    bounds: Vec<usize>,
+    state: Mutex<GroupState>,
+    /// Set while one of the ops' futures drives the run.
+    driving: AtomicBool,
+    ended: tokio::sync::Notify,
+}
+
+enum GroupState {
+    /// The run, and its place among the lane's runs (given back when the run ends).
+    Running {
+        run: Run,
+        _permit: tokio::sync::OwnedSemaphorePermit,
+    },
+    Ended(GroupEnd),
+}
+
+#[derive(Clone)]
+struct GroupEnd {
+    /// Work requests that completed successfully (the first `completed`).
+    completed: usize,
+    /// The work request whose completion failed first.
+    failed_op: Option<usize>,
+    error: Option<Error>,
+}
+
+/// What an op of a group does once the group ended.
+enum Fate {
+    Done,
+    Failed(Error),
+    /// Its work request failed: ask the peer why (it may block).
+    Explain(Error),
+    /// It never ran, or was flushed by a failure before it: once more, on its own.
+    Again,
+}
+
+impl Group {
+    /// Starts `ops` as one run on `lane` when everything is at hand (connected, keys valid,
+    /// memory registered): `None` otherwise, and the ops go through `execute` one by one.
+    fn start(
+        lane: &Arc<Shared>,
+        permit: tokio::sync::OwnedSemaphorePermit,
+        ops: &[SliceOp],
+    ) -> Option<Arc<Group>> {
+        let conn = lane
+            .conn
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .filter(|c| !c.qp.is_error())?;
+        let mut all = Vec::new();
+        let mut bounds = Vec::with_capacity(ops.len() + 1);
+        bounds.push(0);
+        let mut local: Option<Arc<MemoryRegistration>> = None;
+        for op in ops {
+            if !local
+                .as_ref()
+                .is_some_and(|r| Arc::ptr_eq(r.region(), &op.local))
+            {
+                local = Some(
+                    lane.node
+                        .lock_local()
+                        .get(&op.local.addr())
+                        .filter(|r| Arc::ptr_eq(r.region(), &op.local))
+                        .cloned()?,
+                );
+            }
+            // a bad key or range is reported by the op's own `execute`
+            let key = Shared::op_key(op).ok()?;
+            all.extend(lane.remote_ops(op, &key, local.as_ref()?).ok()?);
+            bounds.push(all.len());
+        }
+        let mut run = conn
+            .qp
+            .start(all, Instant::now() + lane.node.cfg.slice_deadline)
+            .ok()?;
+        // posted right here, back to back with the rest of the batch
+        let state = match run.pump(Instant::now(), None) {
+            Ok(false) => GroupState::Running {
+                run,
+                _permit: permit,
+            },
+            r => GroupState::Ended(GroupEnd::of(&run, r)),
+        };
+        Some(Arc::new(Group {
+            lane: lane.clone(),
+            conn,
+            ops: ops.to_vec(),
+            bounds,
+            state: Mutex::new(state),
+            driving: AtomicBool::new(false),
+            ended: tokio::sync::Notify::new(),
+        }))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GroupState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn end(&self) -> Option<GroupEnd> {
+        match &*self.lock() {
+            GroupState::Ended(e) => Some(e.clone()),
+            GroupState::Running { .. } => None,
+        }
+    }
+
+    /// Ends the group with `error` unless it ended: the run is dropped, which moves the queue
+    /// pair to ERROR and drains its requests before this returns.
+    fn stop(&self, error: Error) {
+        let taken = {
+            let mut st = self.lock();
+            let GroupState::Running { run, .. } = &*st else {
+                return;
+            };
+            // what completed stays done; the rest runs again on its own or fails with `error`
+            let ended = GroupState::Ended(GroupEnd {
+                completed: run.completed(),
+                failed_op: None,
+                error: Some(error),
+            });
+            std::mem::replace(&mut *st, ended)
+        };
+        drop(taken);
+        self.ended.notify_waiters();
+    }
+
+    /// Pumps the run until it ended, sleeping as a task between pumps and watching the
+    /// control connection as [`finish_async`] does.
+    async fn drive(&self) {
+        let stop = AtomicBool::new(false);
+        let mut gone = false;
+        let mut check = Instant::now() + PEER_CHECK;
+        loop {
+            let waiter = {
+                let mut st = self.lock();
+                let GroupState::Running { run, .. } = &mut *st else {
+                    return;
+                };
+                if gone {
+                    stop.store(true, Ordering::Release);
+                }
+                match run.pump(Instant::now(), Some(&stop)) {
+                    Ok(false) => {}
+                    r => {
+                        let mut end = GroupEnd::of(run, r);
+                        if gone {
+                            end.error = end.error.map(|e| peer_went_away(&e));
+                        }
+                        *st = GroupState::Ended(end);
+                        drop(st);
+                        self.ended.notify_waiters();
+                        return;
+                    }
+                }
+                let now = Instant::now();
+                if now >= check {
+                    gone = self.conn.peer_gone();
+                    check = now + PEER_CHECK;
+                }
+                run.waiter(check)
+            };
+            match waiter.wait().await {
+                Ok(true) => {}
+                Ok(false) => self.stop(Error::new(
+                    ErrorKind::Io,
+                    "rdma: the runtime waiting for a batch's completions ended",
+                )),
+                Err(e) => self.stop(e),
+            }
+        }
+    }
+
+    /// Op `k`'s fate once the group ended with `end`.
+    fn fate(&self, k: usize, end: &GroupEnd) -> Fate {
+        let (first, last) = (self.bounds[k], self.bounds[k + 1]);
+        if last <= end.completed {
+            return Fate::Done;
+        }
+        let Some(e) = &end.error else {
+            // ended without error: every request completed
+            return Fate::Done;
+        };
+        if flushed(e) {
+            return Fate::Again;
+        }
+        match end.failed_op {
+            Some(w) if (first..last).contains(&w) => Fate::Explain(e.clone()),
+            Some(w) if w < first => Fate::Again,
+            // stopped because an op went away (its batch was canceled): run on their own
+            None if e.kind() == ErrorKind::Canceled => Fate::Again,
+            _ => Fate::Failed(e.clone()),
+        }
+    }
+}
+
+impl GroupEnd {
+    fn of(run: &Run, r: Result<bool>) -> Self {
+        GroupEnd {
+            completed: run.completed(),
+            failed_op: run.failed_op(),
+            error: r.err(),
+        }
+    }
+}
+
+/// Op `k` of a group: drives the group's run or waits for it, then ends as its fate says.
+/// Dropped before the group ended, it stops the group (the others then run on their own).
+async fn group_op(g: Arc<Group>, k: usize) -> Result<()> {
+    struct StopOnDrop(Option<Arc<Group>>);
+    impl Drop for StopOnDrop {
+        fn drop(&mut self) {
+            if let Some(g) = self.0.take() {
+                g.stop(Error::new(
+                    ErrorKind::Canceled,
+                    "rdma: the batch's run was stopped",
+                ));
+            }
+        }
+    }
+    /// Clears the driver's flag and wakes the others, one of which takes over.
+    struct Driving<'a>(&'a Group);
+    impl Drop for Driving<'_> {
+        fn drop(&mut self) {
+            self.0.driving.store(false, Ordering::Release);
+            self.0.ended.notify_waiters();
+        }
+    }
+    let mut armed = StopOnDrop(Some(g.clone()));
+    let end = loop {
+        if let Some(end) = g.end() {
+            break end;
+        }
+        if !g.driving.swap(true, Ordering::AcqRel) {
+            let _driving = Driving(&g);
+            g.drive().await;
+            continue;
+        }
+        let woken = g.ended.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        if g.end().is_some() || !g.driving.load(Ordering::Acquire) {
+            continue;
+        }
+        woken.await;
+    };
+    armed.0 = None;
+    let op = g.ops[k].clone();
+    let lane = g.lane.clone();
+    let next = match g.fate(k, &end) {
+        Fate::Done => return Ok(()),
+        Fate::Failed(e) => return Err(lane.failed(e, &op)),
+        Fate::Explain(e) => Next::Explain(e, g.conn.clone()),
+        Fate::Again => Next::Again,
+    };
+    drop(g);
+    let permit = lane
+        .runs
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| Error::new(ErrorKind::Canceled, "rdma link closed"))?;
+    finish_off_thread(lane, permit, next, op).await
+}
+
 /// How often a run in flight checks whether its peer closed the control connection.
 const PEER_CHECK: Duration = Duration::from_millis(50);
 
@@ -1578,6 +1862,22 @@ impl Link for RdmaLink {
             Err(done) => Started::Done(done),
             Ok(next) => Started::Pending(finish_off_thread(this, permit, next, op.clone())),
         })
+    }
+
+    fn start_batch(&self, ops: &[SliceOp]) -> Option<Vec<BoxFuture<'static, Result<()>>>> {
+        if ops.len() < 2 || !batch_as_one_run() {
+            return None;
+        }
+        // the group waits as a task: it needs a runtime with a reactor
+        tokio::runtime::Handle::try_current().ok()?;
+        let lane = self.lane();
+        let permit = lane.runs.clone().try_acquire_owned().ok()?;
+        let group = Group::start(&lane, permit, ops)?;
+        Some(
+            (0..ops.len())
+                .map(|k| Box::pin(group_op(group.clone(), k)) as BoxFuture<'static, Result<()>>)
+                .collect(),
+        )
     }
 
     fn drop_connections(&self) {

@@ -759,7 +759,13 @@ impl Slot {
     }
 
     fn take(&self, out: &mut Vec<Completion>) {
-        out.append(&mut self.inbox().done);
+        let mut inbox = self.inbox();
+        if out.is_empty() {
+            // hand over the inbox's allocation instead of copying into a second one
+            std::mem::swap(out, &mut inbox.done);
+        } else {
+            out.append(&mut inbox.done);
+        }
     }
 
     fn is_empty(&self) -> bool {
@@ -982,6 +988,42 @@ impl QueuePair {
             .is_ok()
     }
 
+    /// Takes up to `want` free send queue entries; returns how many it took.
+    fn reserve_up_to(&self, want: u32) -> u32 {
+        let mut took = 0;
+        let _ = self
+            .posted
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                took = want.min(self.max_outstanding.saturating_sub(n));
+                (took > 0).then_some(n + took)
+            });
+        took
+    }
+
+    /// Posts a chain of requests on entries taken with [`reserve_up_to`](Self::reserve_up_to)
+    /// (one doorbell); gives back the entries of those the device did not take. Returns how
+    /// many it took, and the refusal if it did not take them all.
+    fn post_chain(&self, wrs: &[raw::RdmaWr]) -> (usize, Result<()>) {
+        let qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        let (taken, r) = raw::post_rdma_chain(&qp, wrs);
+        if taken < wrs.len() {
+            self.posted
+                .fetch_sub((wrs.len() - taken) as u32, Ordering::AcqRel);
+        }
+        let r = r.map_err(|e| {
+            self.device.err(
+                Some(self.port),
+                &format!(
+                    "post {} chained work requests (refused at #{taken}) on queue pair {}",
+                    wrs.len(),
+                    qp.qp_number()
+                ),
+                e,
+            )
+        });
+        (taken, r)
+    }
+
     /// Posts `wr` on an entry taken with [`reserve`](Self::reserve); gives the entry back if
     /// the device refused the request.
     fn post_reserved(&self, wr: raw::SendWr) -> Result<()> {
@@ -1192,8 +1234,11 @@ impl QueuePair {
             outstanding: 0,
             failure: None,
             deadline,
-            done: Vec::with_capacity(self.max_outstanding as usize),
+            // filled by swapping with the slot's inbox (no allocation of its own)
+            done: Vec::new(),
             finished: false,
+            completed: 0,
+            failed_op: None,
         })
     }
 
@@ -1343,6 +1388,10 @@ pub struct Run {
     deadline: Instant,
     done: Vec<Completion>,
     finished: bool,
+    /// Operations completed successfully (in order: the first `completed` of `ops`).
+    completed: usize,
+    /// The operation whose completion failed first, if one did.
+    failed_op: Option<usize>,
 }
 
 impl std::fmt::Debug for Run {
@@ -1360,14 +1409,33 @@ impl Run {
     /// queue entries freed), `until` or its deadline passed; then [`pump`](Self::pump) it
     /// again. `Ok(false)`: no tokio reactor here, pump it on a blocking thread instead.
     pub async fn wait_async(&self, until: Instant) -> Result<bool> {
-        let want = if self.outstanding > 0 {
-            FOR_COMPLETIONS
-        } else {
-            FOR_ENTRIES
-        };
-        self.qp
-            .wait_async(&self.slot, until.min(self.deadline), want)
-            .await
+        self.waiter(until).wait().await
+    }
+
+    /// What [`wait_async`](Self::wait_async) waits on, owned: to wait without holding the run
+    /// (which others may then take, to stop it).
+    pub fn waiter(&self, until: Instant) -> RunWaiter {
+        RunWaiter {
+            qp: self.qp.clone(),
+            slot: self.slot.clone(),
+            until: until.min(self.deadline),
+            want: if self.outstanding > 0 {
+                FOR_COMPLETIONS
+            } else {
+                FOR_ENTRIES
+            },
+        }
+    }
+
+    /// Operations that completed successfully: the first `completed()` of the run's (a queue
+    /// pair completes in order).
+    pub fn completed(&self) -> usize {
+        self.completed
+    }
+
+    /// The operation whose completion failed first (the others after it were flushed).
+    pub fn failed_op(&self) -> Option<usize> {
+        self.failed_op
     }
 
     /// Posts what fits and reaps completions until every operation completed (`Ok(true)`),
@@ -1397,24 +1465,43 @@ impl Run {
     fn pump_inner(&mut self, until: Instant, cancel: Option<&AtomicBool>) -> Result<bool> {
         let qp = self.qp.clone();
         loop {
-            while self.failure.is_none() && self.next < self.ops.len() && qp.reserve() {
-                let op = &self.ops[self.next];
-                let wr = raw::SendWr::Rdma {
-                    wr_id: ((self.id as u64) << 32) | self.next as u64,
-                    write: op.write,
-                    lkey: op.local.lkey(),
-                    addr: op.local.addr() + op.local_offset,
-                    len: op.len,
-                    remote_addr: op.remote_addr,
-                    rkey: op.rkey,
-                };
-                if let Err(e) = qp.post_reserved(wr) {
+            // what fits goes out as chains, one doorbell each
+            while self.failure.is_none() && self.next < self.ops.len() {
+                let want = (self.ops.len() - self.next).min(raw::CHAIN) as u32;
+                let k = qp.reserve_up_to(want) as usize;
+                if k == 0 {
+                    break;
+                }
+                let mut wrs = [raw::RdmaWr {
+                    wr_id: 0,
+                    write: false,
+                    lkey: 0,
+                    addr: 0,
+                    len: 0,
+                    remote_addr: 0,
+                    rkey: 0,
+                }; raw::CHAIN];
+                for (j, w) in wrs[..k].iter_mut().enumerate() {
+                    let i = self.next + j;
+                    let op = &self.ops[i];
+                    *w = raw::RdmaWr {
+                        wr_id: ((self.id as u64) << 32) | i as u64,
+                        write: op.write,
+                        lkey: op.local.lkey(),
+                        addr: op.local.addr() + op.local_offset,
+                        len: op.len,
+                        remote_addr: op.remote_addr,
+                        rkey: op.rkey,
+                    };
+                }
+                let (taken, r) = qp.post_chain(&wrs[..k]);
+                self.next += taken;
+                self.outstanding += taken as u32;
+                if let Err(e) = r {
                     self.failure = Some(e);
                     let _ = qp.set_error();
                     break;
                 }
-                self.next += 1;
-                self.outstanding += 1;
             }
             if self.outstanding == 0 && (self.failure.is_some() || self.next == self.ops.len()) {
                 return match self.failure.take() {
@@ -1467,7 +1554,12 @@ impl Run {
             for i in 0..self.done.len() {
                 let c = self.done[i];
                 self.outstanding = self.outstanding.saturating_sub(1);
+                // a queue pair completes its requests in order: the successes are a prefix
+                if c.ok() && self.failure.is_none() {
+                    self.completed += 1;
+                }
                 if !c.ok() && self.failure.is_none() {
+                    self.failed_op = Some(split_wr_id(c.wr_id).1 as usize);
                     let what = self
                         .ops
                         .get(split_wr_id(c.wr_id).1 as usize)
@@ -1487,6 +1579,21 @@ impl Run {
                 }
             }
         }
+    }
+}
+
+/// A [`Run`]'s wait ([`Run::waiter`]).
+pub struct RunWaiter {
+    qp: Arc<QueuePair>,
+    slot: Arc<Slot>,
+    until: Instant,
+    want: u8,
+}
+
+impl RunWaiter {
+    /// As [`Run::wait_async`].
+    pub async fn wait(&self) -> Result<bool> {
+        self.qp.wait_async(&self.slot, self.until, self.want).await
     }
 }
 
@@ -1587,15 +1694,6 @@ mod raw {
 
     #[derive(Clone, Copy)]
     pub enum SendWr<'a> {
-        Rdma {
-            wr_id: u64,
-            write: bool,
-            lkey: u32,
-            addr: u64,
-            len: u32,
-            remote_addr: u64,
-            rkey: u32,
-        },
         Bind {
             wr_id: u64,
             mw: &'a Mw,
@@ -1614,48 +1712,19 @@ mod raw {
     impl SendWr<'_> {
         pub fn what(&self) -> &'static str {
             match self {
-                SendWr::Rdma { write: true, .. } => "RDMA WRITE",
-                SendWr::Rdma { write: false, .. } => "RDMA READ",
                 SendWr::Bind { .. } => "BIND_MW",
                 SendWr::LocalInv { .. } => "LOCAL_INV",
             }
         }
     }
 
-    /// Posts one signaled send work request.
+    /// Posts one signaled bind / invalidate work request (RDMA WRITE / READ go through
+    /// [`post_rdma_chain`]).
     pub fn post_send(qp: &BasicQueuePair, wr: SendWr<'_>) -> Result<(), std::io::Error> {
         // SAFETY: ibv_send_wr is a plain C struct for which all-zero is a valid (empty) value.
         let mut w: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        let mut sge = sys::ibv_sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        };
         w.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
         match wr {
-            SendWr::Rdma {
-                wr_id,
-                write,
-                lkey,
-                addr,
-                len,
-                remote_addr,
-                rkey,
-            } => {
-                w.wr_id = wr_id;
-                w.opcode = if write {
-                    sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
-                } else {
-                    sys::ibv_wr_opcode::IBV_WR_RDMA_READ
-                };
-                sge = sys::ibv_sge {
-                    addr,
-                    length: len,
-                    lkey,
-                };
-                w.num_sge = 1;
-                w.wr.rdma = sys::rdma_t { remote_addr, rkey };
-            }
             SendWr::Bind {
                 wr_id,
                 mw,
@@ -1685,11 +1754,8 @@ mod raw {
                 w.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
             }
         }
-        if w.num_sge == 1 {
-            w.sg_list = &mut sge;
-        }
         let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: qp() is the live ibv_qp of `qp` (borrowed for the call); w and sge live on
+        // SAFETY: qp() is the live ibv_qp of `qp` (borrowed for the call); w lives on
         // this stack frame for the call, and the provider copies the request into its queue
         // before returning. The memory the request names is registered and held by the caller
         // until its completion is reaped (QueuePair::run / post_and_wait).
@@ -1699,6 +1765,86 @@ mod raw {
         } else {
             Err(std::io::Error::from_raw_os_error(r))
         }
+    }
+
+    /// One RDMA WRITE / READ of a chain ([`post_rdma_chain`]).
+    #[derive(Clone, Copy, Debug)]
+    pub struct RdmaWr {
+        pub wr_id: u64,
+        pub write: bool,
+        pub lkey: u32,
+        pub addr: u64,
+        pub len: u32,
+        pub remote_addr: u64,
+        pub rkey: u32,
+    }
+
+    /// Work requests [`post_rdma_chain`] posts with one call (one doorbell).
+    pub const CHAIN: usize = 16;
+
+    /// Posts up to [`CHAIN`] signaled RDMA work requests as one linked list: one
+    /// `ibv_post_send`, so one doorbell (on rxe, one system call) for all of them. Returns how
+    /// many the provider took (all of them unless it refused one: then the ones before it).
+    pub fn post_rdma_chain(
+        qp: &BasicQueuePair,
+        wrs: &[RdmaWr],
+    ) -> (usize, Result<(), std::io::Error>) {
+        let n = wrs.len().min(CHAIN);
+        if n == 0 {
+            return (0, Ok(()));
+        }
+        // SAFETY: ibv_send_wr and ibv_sge are plain C structs; all-zero is a valid value.
+        let mut ws: [sys::ibv_send_wr; CHAIN] = unsafe { std::mem::zeroed() };
+        let mut sges: [sys::ibv_sge; CHAIN] = unsafe { std::mem::zeroed() };
+        for (i, r) in wrs[..n].iter().enumerate() {
+            sges[i] = sys::ibv_sge {
+                addr: r.addr,
+                length: r.len,
+                lkey: r.lkey,
+            };
+            let w = &mut ws[i];
+            w.wr_id = r.wr_id;
+            w.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            w.opcode = if r.write {
+                sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+            } else {
+                sys::ibv_wr_opcode::IBV_WR_RDMA_READ
+            };
+            w.num_sge = 1;
+            w.wr.rdma = sys::rdma_t {
+                remote_addr: r.remote_addr,
+                rkey: r.rkey,
+            };
+        }
+        // linked through raw pointers only, after every element was written
+        let wp = ws.as_mut_ptr();
+        let sp = sges.as_mut_ptr();
+        for i in 0..n {
+            // SAFETY: i and i + 1 < CHAIN index the two stack arrays, which outlive the call.
+            unsafe {
+                (*wp.add(i)).sg_list = sp.add(i);
+                (*wp.add(i)).next = if i + 1 < n {
+                    wp.add(i + 1)
+                } else {
+                    std::ptr::null_mut()
+                };
+            }
+        }
+        let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: qp() is the live ibv_qp of `qp` (borrowed for the call); the n linked
+        // requests and their scatter entries live on this stack frame for the call, and the
+        // provider copies them into its queue before returning. The memory they name is
+        // registered and held by the caller until their completions are reaped (Run).
+        let r = unsafe { sys::ibv_post_send(qp.qp().as_ptr(), wp, &mut bad) };
+        if r == 0 {
+            return (n, Ok(()));
+        }
+        // the provider took the requests before `bad`
+        let taken = (0..n)
+            // SAFETY: i < n indexes the array; only the address is compared.
+            .find(|&i| unsafe { wp.add(i) } == bad)
+            .unwrap_or(0);
+        (taken, Err(std::io::Error::from_raw_os_error(r)))
     }
 
     /// Polls up to 16 completions into `out`; returns how many.
