@@ -446,13 +446,20 @@ fn evidence_collects_facts_measures_tcp_and_says_why_for_the_rest() {
     // ... and each hop's GPU path says it did not run, with the same reason
     let gpu = paths
         .iter()
-        .find(|p| p["label"].as_str().is_some_and(|l| l.starts_with("GPU memory over RDMA")))
+        .find(|p| {
+            p["label"]
+                .as_str()
+                .is_some_and(|l| l.starts_with("GPU memory over RDMA"))
+        })
         .unwrap();
     let gpu_hops = gpu["gpu_hops"].as_array().expect("gpu_hops");
     assert_eq!(gpu_hops.len(), 4, "{gpu}");
     for h in gpu_hops {
         assert_eq!(h["path"], "not run", "{h}");
-        assert!(h["detail"].as_str().is_some_and(|d| d.contains("cuda")), "{h}");
+        assert!(
+            h["detail"].as_str().is_some_and(|d| d.contains("cuda")),
+            "{h}"
+        );
     }
     assert!(why("ib_write_bw").contains("no rdma section"));
     // The tcp run's plots: bandwidth per hop against size, the latency CDF per hop.

@@ -1559,13 +1559,13 @@ impl Group {
         for op in ops {
             if !local
                 .as_ref()
-                .is_some_and(|r| Arc::ptr_eq(r.region(), &op.local))
+                .is_some_and(|r| r.region().is_some_and(|m| Arc::ptr_eq(m, &op.local)))
             {
                 local = Some(
                     lane.node
                         .lock_local()
                         .get(&op.local.addr())
-                        .filter(|r| Arc::ptr_eq(r.region(), &op.local))
+                        .filter(|r| r.region().is_some_and(|m| Arc::ptr_eq(m, &op.local)))
                         .cloned()?,
                 );
             }

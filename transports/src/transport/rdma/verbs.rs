@@ -1795,6 +1795,7 @@ mod raw {
         }
         // SAFETY: ibv_send_wr and ibv_sge are plain C structs; all-zero is a valid value.
         let mut ws: [sys::ibv_send_wr; CHAIN] = unsafe { std::mem::zeroed() };
+        // SAFETY: as above: a plain C struct, all-zero valid.
         let mut sges: [sys::ibv_sge; CHAIN] = unsafe { std::mem::zeroed() };
         for (i, r) in wrs[..n].iter().enumerate() {
             sges[i] = sys::ibv_sge {
