@@ -35,8 +35,10 @@ else
   cargo build --release --locked --features rdma --bin omnirig >&2
   omnirig=$PWD/target/release/omnirig
 fi
-out=$(mktemp)
-trap 'rm -f "$out"' EXIT
+# The log stays (target/rdma-bench/) as the run's evidence; a temporary file under /tmp could be
+# swept while a long VM run holds it.
+mkdir -p target/rdma-bench
+out=$PWD/target/rdma-bench/$(date +%Y%m%d-%H%M%S).log
 t0=$SECONDS
 ci/softroce.sh run --timeout $((120 + runs * ${#variants[@]} * 240)) -- "set -o pipefail
 for i in \$(seq $runs); do
@@ -49,7 +51,7 @@ for i in \$(seq $runs); do
       | sed \"s/^ratio /ratio[\$label] /\" || { cat /tmp/bench.err >&2; exit 1; }
   done
 done" | tee "$out"
-echo "== $runs runs in $((SECONDS - t0)) s (VM boot included); median (min-max) over the runs:"
+echo "== $runs runs in $((SECONDS - t0)) s (VM boot included), log $out; median (min-max) over the runs:"
 python3 - "$out" << 'PY'
 import re, statistics, sys
 ratios = {}
