@@ -107,7 +107,7 @@ fetch_debs() {
   ( cd "$WORK/debs" && apt-get download -q -o APT::Sandbox::User=root "$@" >&2 )
 }
 
-deb_of() { ls "$WORK/debs/$1"_*.deb 2> /dev/null | head -n 1; }
+deb_of() { ls "$WORK/debs/$1"_*.deb 2> /dev/null | sed -n 1p; }
 
 # ---------------------------------------------------------------------------------------------
 # setup
@@ -148,14 +148,14 @@ unpack_kernel() {
     dpkg -x "$kdeb" "$WORK/kernel"
     echo "$kdeb" > "$WORK/kernel/.from"
   fi
-  KVER=$(basename "$(ls -d "$WORK"/kernel/lib/modules/*/ | head -n 1)")
+  KVER=$(basename "$(ls -d "$WORK"/kernel/lib/modules/*/ | sed -n 1p)")
   KMODS=$WORK/kernel/lib/modules/$KVER
 }
 
 # Module NAME's file in the unpacked kernel (names use _ or - interchangeably).
 module_file() {
   local a=$1 b=${1//_/-}
-  find "$KMODS" -type f \( -name "$a.ko*" -o -name "$b.ko*" \) | head -n 1
+  find "$KMODS" -type f \( -name "$a.ko*" -o -name "$b.ko*" \) | sed -n 1p
 }
 
 decompress() {
@@ -190,14 +190,14 @@ extract_vmlinux() {
   rm -f "$out"
   for magic in xz gzip zstd; do
     case $magic in
-      xz) off=$(grep -abo $'\xfd7zXZ\x00' "$z" | head -n 1 | cut -d: -f1 || true); tool="xz -dc" ;;
-      gzip) off=$(grep -abo $'\x1f\x8b\x08' "$z" | head -n 1 | cut -d: -f1 || true); tool="gzip -dc" ;;
-      zstd) off=$(grep -abo $'\x28\xb5\x2f\xfd' "$z" | head -n 1 | cut -d: -f1 || true); tool="zstd -dcq" ;;
+      xz) off=$(grep -abo $'\xfd7zXZ\x00' "$z" | sed -n 1p | cut -d: -f1 || true); tool="xz -dc" ;;
+      gzip) off=$(grep -abo $'\x1f\x8b\x08' "$z" | sed -n 1p | cut -d: -f1 || true); tool="gzip -dc" ;;
+      zstd) off=$(grep -abo $'\x28\xb5\x2f\xfd' "$z" | sed -n 1p | cut -d: -f1 || true); tool="zstd -dcq" ;;
     esac
     [[ -n $off ]] || continue
     tail -c +$((off + 1)) "$z" | $tool > "$out.part" 2> /dev/null || true
     # XEN_ELFNOTE_PHYS32_ENTRY (note type 0x12) marks a PVH entry point
-    if readelf -n "$out.part" 2> /dev/null | grep -q '(0x00000012)'; then
+    if readelf -n "$out.part" 2> /dev/null | grep '(0x00000012)' > /dev/null; then
       mv "$out.part" "$out"
       return 0
     fi
@@ -441,7 +441,7 @@ run() {
   ensure_setup
   accel
   local kver
-  kver=$(basename "$(ls -d "$WORK"/kernel/lib/modules/*/ | head -n 1)")
+  kver=$(basename "$(ls -d "$WORK"/kernel/lib/modules/*/ | sed -n 1p)")
   mkdir -p "$WORK/runs"
   local R
   R=$(mktemp -d "$WORK/runs/$(date +%Y%m%d-%H%M%S).XXXX")
