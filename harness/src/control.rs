@@ -949,6 +949,7 @@ impl Link {
 mod tests {
     use super::*;
     use omnirig_transports::Access;
+    use tokio::io::AsyncWriteExt;
 
     fn grant() -> Grant {
         Grant {
@@ -1064,5 +1065,156 @@ mod tests {
         assert!(matches!(err, HarnessError::Control { .. }), "{err:?}");
         let err = err.to_string();
         assert!(err.contains("exceeds"), "{err}");
+    }
+
+    fn refuse(request: &str, cause: String) -> Msg {
+        Msg::Refuse {
+            request: request.into(),
+            cause,
+            kind: Default::default(),
+        }
+    }
+
+    async fn connected() -> (TcpStream, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (c, s) = tokio::join!(TcpStream::connect(addr), l.accept());
+        (c.unwrap(), s.unwrap().0)
+    }
+
+    fn counts(l: &Link) -> (u64, u64) {
+        match &l.out {
+            Out::Tcp(tx, _) => {
+                let st = lock(&tx.0.state);
+                (st.direct, st.queued)
+            }
+            _ => unreachable!(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn direct_and_queued_frames_arrive_in_order() {
+        let (c, s) = connected().await;
+        let a = Link::tcp("a", c);
+        let t = Duration::from_secs(10);
+        let mut sent = 0;
+        let mut small = |a: &Link, n: usize| {
+            for _ in 0..n {
+                a.send(refuse("r", sent.to_string())).unwrap();
+                sent += 1;
+            }
+        };
+        // The peer does not read yet: large frames fill both socket buffers until a write
+        // would block, and the small frames after them must queue behind.
+        small(&a, 3);
+        let big = |i: usize| Msg::Packet {
+            request: "big".into(),
+            packet: Vec::new(),
+            writing_us: i as u64,
+            inline: vec![i as u8; 3 << 20],
+        };
+        for i in 0..8 {
+            a.send(big(i)).unwrap();
+        }
+        small(&a, 50);
+        let (direct, queued) = counts(&a);
+        assert!(direct >= 3, "{direct} direct");
+        assert!(queued >= 51, "{queued} queued");
+        let b = Link::tcp("b", s);
+        for i in 0..8 {
+            match b.recv("big", t).await.unwrap() {
+                Msg::Packet { writing_us, .. } => assert_eq!(writing_us, i),
+                other => panic!("{other:?}"),
+            }
+        }
+        // Once the backlog is written, sends go direct again, still after it.
+        let until = std::time::Instant::now() + t;
+        while !lock(
+            &match &a.out {
+                Out::Tcp(tx, _) => tx.0.clone(),
+                _ => unreachable!(),
+            }
+            .state,
+        )
+        .backlog
+        .is_empty()
+        {
+            assert!(std::time::Instant::now() < until);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let before = counts(&a).0;
+        small(&a, 3);
+        assert_eq!(counts(&a).0, before + 3);
+        for i in 0..sent {
+            match b.recv("r", t).await.unwrap() {
+                Msg::Refuse { cause, .. } => assert_eq!(cause, i.to_string()),
+                other => panic!("{other:?}"),
+            }
+        }
+        // One write for several messages, in order.
+        a.send_all(vec![refuse("q", "x".into()), refuse("q", "y".into())])
+            .unwrap();
+        for c in ["x", "y"] {
+            assert!(
+                matches!(b.recv("q", t).await.unwrap(), Msg::Refuse { cause, .. } if cause == c)
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_spinning_recv_reads_a_frame_split_across_reads() {
+        let (mut raw, s) = connected().await;
+        // No reader task yet: only the spinning recv reads the socket.
+        let (victim, rx) = Link::tcp_unread("victim", s);
+        let victim = victim.with_spin(Duration::from_secs(5));
+        let mut frame = Vec::new();
+        for i in 0..2 {
+            let body = refuse("r", format!("m{i}")).encode().unwrap();
+            frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+            frame.extend_from_slice(&body);
+        }
+        let one = frame.len() / 2;
+        let (first, rest) = frame.split_at(one / 2);
+        let writer = tokio::spawn({
+            let (first, rest) = (first.to_vec(), rest.to_vec());
+            async move {
+                raw.write_all(&first).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                raw.write_all(&rest[..rest.len() - 3]).await.unwrap();
+                (raw, rest[rest.len() - 3..].to_vec())
+            }
+        });
+        let t = Duration::from_secs(5);
+        assert!(
+            matches!(victim.recv("r", t).await.unwrap(), Msg::Refuse { cause, .. } if cause == "m0")
+        );
+        let (mut raw, tail) = writer.await.unwrap();
+        // The second frame is short of its last 3 bytes; a spin that times out leaves them
+        // pending, and the reader task, started now, finishes the frame.
+        let short = victim.clone().with_spin(Duration::from_millis(20));
+        let e = short
+            .recv("r", Duration::from_millis(20))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, HarnessError::ControlTimeout { .. }), "{e:?}");
+        tokio::spawn(read_task(rx));
+        raw.write_all(&tail).await.unwrap();
+        let parked = victim.with_spin(Duration::ZERO);
+        assert!(
+            matches!(parked.recv("r", t).await.unwrap(), Msg::Refuse { cause, .. } if cause == "m1")
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_spinning_recv_closes_the_link_on_a_frame_over_the_cap() {
+        let (mut raw, s) = connected().await;
+        let (victim, _rx) = Link::tcp_unread("victim", s);
+        let victim = victim.with_spin(Duration::from_secs(5));
+        raw.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+        let err = victim.recv("r", Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(err, HarnessError::Control { .. }), "{err:?}");
+        assert!(err.to_string().contains("exceeds"), "{err}");
+        // Sends still fail cleanly once the peer is gone.
+        drop(raw);
     }
 }
