@@ -13,9 +13,9 @@ use std::time::Duration;
 use omnirig_fixtures::RequestSpec;
 use omnirig_transports::Grant;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Notify, mpsc};
 
 use crate::ec::EcSlot;
 use crate::error::{FailureKind, HarnessError, Result};
@@ -391,7 +391,7 @@ impl Mailboxes {
 #[derive(Clone)]
 enum Out {
     Mem(Arc<Mailboxes>),
-    Tcp(mpsc::UnboundedSender<Msg>),
+    Tcp(Arc<TcpSender>, Arc<TcpRx>),
     /// Across a simulated fabric: each message reserves its route like a slice and a
     /// delivery task hands it over when it lands, in sending order.
     Sim(
@@ -406,6 +406,293 @@ enum Out {
 /// yields to the runtime between checks, so the I/O driver and other tasks keep running,
 /// and it only happens while a `recv` is waiting.
 pub const TCP_RECV_SPIN: Duration = Duration::from_micros(50);
+
+/// Bytes asked of the socket per read, beyond what the frame being read still needs.
+const READ_CHUNK: usize = 64 << 10;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The sending half of a TCP link, shared by the link's clones and its writer task.
+struct TcpTx {
+    name: Arc<str>,
+    wr: OwnedWriteHalf,
+    state: Mutex<TxState>,
+    /// Wakes the writer task: frames were queued, or the links are gone.
+    wake: Notify,
+    inbox: Arc<Mailboxes>,
+}
+
+#[derive(Default)]
+struct TxState {
+    /// Frames the socket would not take yet, in sending order. While any are queued, later
+    /// frames queue behind them (never written directly), so the wire keeps the order.
+    backlog: std::collections::VecDeque<Vec<u8>>,
+    /// How much of the first queued frame is already on the socket.
+    written: usize,
+    /// Why writing failed: nothing more is sent.
+    failed: Option<String>,
+    /// Every link is gone: the writer task ends once the backlog is written.
+    ended: bool,
+    /// Sends written whole by the caller, and sends that went (at least partly) through
+    /// the writer task.
+    direct: u64,
+    queued: u64,
+}
+
+/// Held by the link's clones only: when the last one drops, the writer task finishes the
+/// backlog and ends, and with it the write half, which shuts the socket's sending side so
+/// the peer sees the link close (as when the link is dropped today).
+struct TcpSender(Arc<TcpTx>);
+
+impl Drop for TcpSender {
+    fn drop(&mut self) {
+        lock(&self.0.state).ended = true;
+        self.0.wake.notify_one();
+    }
+}
+
+impl TcpTx {
+    fn closed_err(&self, reason: &str) -> HarnessError {
+        HarnessError::Control {
+            channel: self.name.to_string(),
+            reason: format!("link closed ({reason})"),
+        }
+    }
+
+    /// Writing failed: the link closes with `reason`.
+    fn fail(&self, st: &mut TxState, reason: String) -> HarnessError {
+        tracing::debug!(%reason, "control link closed");
+        st.backlog.clear();
+        st.failed = Some(reason.clone());
+        self.inbox.close(reason.clone());
+        self.closed_err(&reason)
+    }
+
+    /// Appends `msg`'s frame (u32 BE length, msgpack body) to `out`. A message that does
+    /// not encode closes the link, as a failed write does.
+    fn encode_into(&self, out: &mut Vec<u8>, msg: &Msg) -> Result<()> {
+        let at = out.len();
+        out.extend_from_slice(&[0; 4]);
+        if let Err(e) = rmp_serde::encode::write_named(out, msg) {
+            let reason = format!("{}: encode: {e}", self.name);
+            return Err(self.fail(&mut lock(&self.state), reason));
+        }
+        let len = (out.len() - at - 4) as u32;
+        out[at..at + 4].copy_from_slice(&len.to_be_bytes());
+        Ok(())
+    }
+
+    /// Writes `frames` on the socket from the caller when nothing is queued; what the
+    /// socket would not take (all of it, while frames are queued) goes to the writer task.
+    fn send_frames(&self, frames: Vec<u8>) -> Result<()> {
+        let mut st = lock(&self.state);
+        if let Some(r) = &st.failed {
+            return Err(self.closed_err(r));
+        }
+        if st.backlog.is_empty() {
+            let mut at = 0;
+            while at < frames.len() {
+                match self.wr.try_write(&frames[at..]) {
+                    Ok(0) => {
+                        let reason = format!("{}: write failed: socket took no bytes", self.name);
+                        return Err(self.fail(&mut st, reason));
+                    }
+                    Ok(n) => at += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        let reason = format!("{}: write failed: {e}", self.name);
+                        return Err(self.fail(&mut st, reason));
+                    }
+                }
+            }
+            if at == frames.len() {
+                st.direct += 1;
+                return Ok(());
+            }
+            st.written = at;
+        }
+        st.queued += 1;
+        st.backlog.push_back(frames);
+        drop(st);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Writes the backlog until it is empty or the socket pushes back.
+    fn drain(&self) -> Drain {
+        let mut st = lock(&self.state);
+        if st.failed.is_some() {
+            return Drain::Stop;
+        }
+        let st = &mut *st;
+        while let Some(front) = st.backlog.front() {
+            match self.wr.try_write(&front[st.written..]) {
+                Ok(0) => {
+                    let reason = format!("{}: write failed: socket took no bytes", self.name);
+                    self.fail(st, reason);
+                    return Drain::Stop;
+                }
+                Ok(n) => {
+                    let whole = st.written + n == front.len();
+                    st.written += n;
+                    if whole {
+                        st.backlog.pop_front();
+                        st.written = 0;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Drain::Blocked,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let reason = format!("{}: write failed: {e}", self.name);
+                    self.fail(st, reason);
+                    return Drain::Stop;
+                }
+            }
+        }
+        if st.ended { Drain::Stop } else { Drain::Empty }
+    }
+}
+
+enum Drain {
+    Empty,
+    Blocked,
+    Stop,
+}
+
+/// Writes what the callers' direct writes left, in order, whenever the socket takes it.
+async fn write_task(tx: Arc<TcpTx>) {
+    loop {
+        match tx.drain() {
+            Drain::Stop => return,
+            // A wake-up sent since the backlog was checked is kept as a permit, not lost.
+            Drain::Empty => tx.wake.notified().await,
+            Drain::Blocked => {
+                if let Err(e) = tx.wr.writable().await {
+                    let reason = format!("{}: write failed: {e}", tx.name);
+                    tx.fail(&mut lock(&tx.state), reason);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The receiving half of a TCP link. Its reader task and any spinning `recv` both read the
+/// socket, non-blocking and one at a time under `state`'s lock: whoever reads next
+/// continues a frame the other left half-read, and frames are delivered in wire order.
+struct TcpRx {
+    name: Arc<str>,
+    rd: OwnedReadHalf,
+    state: Mutex<RxState>,
+    inbox: Arc<Mailboxes>,
+}
+
+#[derive(Default)]
+struct RxState {
+    /// Bytes read and not yet delivered: at most the start of one frame between reads.
+    buf: Vec<u8>,
+    /// The link closed: nobody reads the socket again.
+    dead: bool,
+}
+
+impl TcpRx {
+    /// Reads what the socket holds now, if no other reader is at it (a spinning `recv`).
+    fn poll(&self) {
+        if let Ok(mut st) = self.state.try_lock() {
+            self.pump(&mut st);
+        }
+    }
+
+    /// Reads until the socket would block, delivering every complete frame; on an error,
+    /// a frame over the cap or one that fails to decode, the link closes with the reason.
+    /// False once the link is closed.
+    fn pump(&self, st: &mut RxState) -> bool {
+        if st.dead {
+            return false;
+        }
+        match self.read_available(st) {
+            Ok(()) => true,
+            Err(reason) => {
+                st.dead = true;
+                st.buf = Vec::new();
+                tracing::debug!(%reason, "control link closed");
+                self.inbox.close(reason);
+                false
+            }
+        }
+    }
+
+    fn read_available(&self, st: &mut RxState) -> std::result::Result<(), String> {
+        loop {
+            let need = self.deliver_frames(st)?;
+            st.buf.reserve(need.max(READ_CHUNK));
+            match self.rd.try_read_buf(&mut st.buf) {
+                Ok(0) if st.buf.is_empty() => {
+                    return Err(format!("{}: connection closed (end of stream)", self.name));
+                }
+                Ok(0) => {
+                    return Err(format!(
+                        "{}: connection closed mid-frame (end of stream)",
+                        self.name
+                    ));
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("{}: connection closed ({e})", self.name)),
+            }
+        }
+    }
+
+    /// Delivers the complete frames at the front of the buffer; returns how many bytes the
+    /// next frame still lacks. The length is checked against the cap before its body is
+    /// waited for.
+    fn deliver_frames(&self, st: &mut RxState) -> std::result::Result<usize, String> {
+        let mut at = 0;
+        let need = loop {
+            let rest = &st.buf[at..];
+            let Some(head) = rest.first_chunk::<4>() else {
+                break 4 - rest.len();
+            };
+            let len = u32::from_be_bytes(*head) as usize;
+            if len > MAX_FRAME {
+                return Err(format!(
+                    "{}: frame of {len} bytes exceeds {MAX_FRAME}",
+                    self.name
+                ));
+            }
+            if rest.len() < 4 + len {
+                break 4 + len - rest.len();
+            }
+            match Msg::decode(&rest[4..4 + len]) {
+                Ok(m) => self.inbox.deliver(m),
+                Err(e) => return Err(format!("{}: {e}", self.name)),
+            }
+            at += 4 + len;
+        };
+        st.buf.drain(..at);
+        Ok(need)
+    }
+}
+
+/// Reads frames whenever the socket has some and no spinning `recv` took them first.
+async fn read_task(rx: Arc<TcpRx>) {
+    loop {
+        if !rx.pump(&mut lock(&rx.state)) {
+            return;
+        }
+        if let Err(e) = rx.rd.readable().await {
+            let mut st = lock(&rx.state);
+            st.dead = true;
+            rx.inbox
+                .close(format!("{}: connection closed ({e})", rx.name));
+            return;
+        }
+    }
+}
 
 /// One end of a control channel.
 #[derive(Clone)]
@@ -489,60 +776,43 @@ impl Link {
         ))
     }
 
-    /// A link over a connected TCP stream: a writer and a reader task.
+    /// A link over a connected TCP stream. `send` writes on the socket itself and leaves
+    /// only what the socket would not take to a writer task; a reader task reads frames, and
+    /// so does a spinning `recv` (see [`TcpRx`]).
     pub fn tcp(name: &str, stream: TcpStream) -> Link {
+        let (link, rx) = Link::tcp_unread(name, stream);
+        tokio::spawn(read_task(rx));
+        link
+    }
+
+    /// A TCP link whose reader task the caller starts ([`read_task`] on the returned half):
+    /// tests use it to make a spinning `recv` the only reader for a while.
+    fn tcp_unread(name: &str, stream: TcpStream) -> (Link, Arc<TcpRx>) {
         let _ = stream.set_nodelay(true);
-        let (mut rd, mut wr) = stream.into_split();
+        let (rd, wr) = stream.into_split();
         let inbox = Arc::new(Mailboxes::default());
-        let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
         let name: Arc<str> = name.into();
-        let (n1, n2, ib1, ib2) = (name.clone(), name.clone(), inbox.clone(), inbox.clone());
-        tokio::spawn(async move {
-            while let Some(m) = rx.recv().await {
-                let body = match m.encode() {
-                    Ok(b) => b,
-                    Err(e) => {
-                        ib1.close(format!("{n1}: {e}"));
-                        return;
-                    }
-                };
-                let mut frame = Vec::with_capacity(4 + body.len());
-                frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
-                frame.extend_from_slice(&body);
-                if let Err(e) = wr.write_all(&frame).await {
-                    ib1.close(format!("{n1}: write failed: {e}"));
-                    return;
-                }
-            }
+        let tx = Arc::new(TcpTx {
+            name: name.clone(),
+            wr,
+            state: Mutex::new(TxState::default()),
+            wake: Notify::new(),
+            inbox: inbox.clone(),
         });
-        tokio::spawn(async move {
-            let reason = loop {
-                let mut len = [0u8; 4];
-                if let Err(e) = rd.read_exact(&mut len).await {
-                    break format!("{n2}: connection closed ({e})");
-                }
-                let len = u32::from_be_bytes(len) as usize;
-                if len > MAX_FRAME {
-                    break format!("{n2}: frame of {len} bytes exceeds {MAX_FRAME}");
-                }
-                let mut body = vec![0u8; len];
-                if let Err(e) = rd.read_exact(&mut body).await {
-                    break format!("{n2}: connection closed mid-frame ({e})");
-                }
-                match Msg::decode(&body) {
-                    Ok(m) => ib2.deliver(m),
-                    Err(e) => break format!("{n2}: {e}"),
-                }
-            };
-            tracing::debug!(%reason, "control link closed");
-            ib2.close(reason);
+        tokio::spawn(write_task(tx.clone()));
+        let rx = Arc::new(TcpRx {
+            name: name.clone(),
+            rd,
+            state: Mutex::new(RxState::default()),
+            inbox: inbox.clone(),
         });
-        Link {
+        let link = Link {
             name,
-            out: Out::Tcp(tx),
+            out: Out::Tcp(Arc::new(TcpSender(tx)), rx.clone()),
             inbox,
             spin: TCP_RECV_SPIN,
-        }
+        };
+        (link, rx)
     }
 
     /// Sets how long `recv` polls before parking (zero: park at once).
@@ -561,10 +831,11 @@ impl Link {
                 peer.deliver(msg);
                 Ok(())
             }
-            Out::Tcp(tx) => tx.send(msg).map_err(|_| HarnessError::Control {
-                channel: self.name.to_string(),
-                reason: "link closed".into(),
-            }),
+            Out::Tcp(tx, _) => {
+                let mut frames = Vec::new();
+                tx.0.encode_into(&mut frames, &msg)?;
+                tx.0.send_frames(frames)
+            }
             Out::Sim(ch, tx) => {
                 // Its size on the wire is its TCP frame's: length prefix and msgpack body.
                 let bytes = 4 + msg.encode().map_or(0, |b| b.len() as u64);
@@ -574,6 +845,21 @@ impl Link {
                     reason: "link closed".into(),
                 })
             }
+        }
+    }
+
+    /// Sends `msgs` in order; over TCP, in one write (an offer and the inline packet that
+    /// follows it cost one system call and, on the far side, one read).
+    pub fn send_all(&self, msgs: Vec<Msg>) -> Result<()> {
+        match &self.out {
+            Out::Tcp(tx, _) => {
+                let mut frames = Vec::new();
+                for m in &msgs {
+                    tx.0.encode_into(&mut frames, m)?;
+                }
+                tx.0.send_frames(frames)
+            }
+            _ => msgs.into_iter().try_for_each(|m| self.send(m)),
         }
     }
 
@@ -600,6 +886,14 @@ impl Link {
                 match rx.try_recv() {
                     Ok(m) => return Ok(m),
                     Err(mpsc::error::TryRecvError::Empty) if std::time::Instant::now() < until => {
+                        // Read the socket here rather than wait for the reader task to be
+                        // woken and scheduled.
+                        if let Out::Tcp(_, tcp) = &self.out {
+                            tcp.poll();
+                            if let Ok(m) = rx.try_recv() {
+                                return Ok(m);
+                            }
+                        }
                         tokio::task::yield_now().await
                     }
                     Err(_) => break,
@@ -655,6 +949,7 @@ impl Link {
 mod tests {
     use super::*;
     use omnirig_transports::Access;
+    use tokio::io::AsyncWriteExt;
 
     fn grant() -> Grant {
         Grant {
@@ -770,5 +1065,156 @@ mod tests {
         assert!(matches!(err, HarnessError::Control { .. }), "{err:?}");
         let err = err.to_string();
         assert!(err.contains("exceeds"), "{err}");
+    }
+
+    fn refuse(request: &str, cause: String) -> Msg {
+        Msg::Refuse {
+            request: request.into(),
+            cause,
+            kind: Default::default(),
+        }
+    }
+
+    async fn connected() -> (TcpStream, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (c, s) = tokio::join!(TcpStream::connect(addr), l.accept());
+        (c.unwrap(), s.unwrap().0)
+    }
+
+    fn counts(l: &Link) -> (u64, u64) {
+        match &l.out {
+            Out::Tcp(tx, _) => {
+                let st = lock(&tx.0.state);
+                (st.direct, st.queued)
+            }
+            _ => unreachable!(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn direct_and_queued_frames_arrive_in_order() {
+        let (c, s) = connected().await;
+        let a = Link::tcp("a", c);
+        let t = Duration::from_secs(10);
+        let mut sent = 0;
+        let mut small = |a: &Link, n: usize| {
+            for _ in 0..n {
+                a.send(refuse("r", sent.to_string())).unwrap();
+                sent += 1;
+            }
+        };
+        // The peer does not read yet: large frames fill both socket buffers until a write
+        // would block, and the small frames after them must queue behind.
+        small(&a, 3);
+        let big = |i: usize| Msg::Packet {
+            request: "big".into(),
+            packet: Vec::new(),
+            writing_us: i as u64,
+            inline: vec![i as u8; 3 << 20],
+        };
+        for i in 0..8 {
+            a.send(big(i)).unwrap();
+        }
+        small(&a, 50);
+        let (direct, queued) = counts(&a);
+        assert!(direct >= 3, "{direct} direct");
+        assert!(queued >= 51, "{queued} queued");
+        let b = Link::tcp("b", s);
+        for i in 0..8 {
+            match b.recv("big", t).await.unwrap() {
+                Msg::Packet { writing_us, .. } => assert_eq!(writing_us, i),
+                other => panic!("{other:?}"),
+            }
+        }
+        // Once the backlog is written, sends go direct again, still after it.
+        let until = std::time::Instant::now() + t;
+        while !lock(
+            &match &a.out {
+                Out::Tcp(tx, _) => tx.0.clone(),
+                _ => unreachable!(),
+            }
+            .state,
+        )
+        .backlog
+        .is_empty()
+        {
+            assert!(std::time::Instant::now() < until);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let before = counts(&a).0;
+        small(&a, 3);
+        assert_eq!(counts(&a).0, before + 3);
+        for i in 0..sent {
+            match b.recv("r", t).await.unwrap() {
+                Msg::Refuse { cause, .. } => assert_eq!(cause, i.to_string()),
+                other => panic!("{other:?}"),
+            }
+        }
+        // One write for several messages, in order.
+        a.send_all(vec![refuse("q", "x".into()), refuse("q", "y".into())])
+            .unwrap();
+        for c in ["x", "y"] {
+            assert!(
+                matches!(b.recv("q", t).await.unwrap(), Msg::Refuse { cause, .. } if cause == c)
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_spinning_recv_reads_a_frame_split_across_reads() {
+        let (mut raw, s) = connected().await;
+        // No reader task yet: only the spinning recv reads the socket.
+        let (victim, rx) = Link::tcp_unread("victim", s);
+        let victim = victim.with_spin(Duration::from_secs(5));
+        let mut frame = Vec::new();
+        for i in 0..2 {
+            let body = refuse("r", format!("m{i}")).encode().unwrap();
+            frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+            frame.extend_from_slice(&body);
+        }
+        let one = frame.len() / 2;
+        let (first, rest) = frame.split_at(one / 2);
+        let writer = tokio::spawn({
+            let (first, rest) = (first.to_vec(), rest.to_vec());
+            async move {
+                raw.write_all(&first).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                raw.write_all(&rest[..rest.len() - 3]).await.unwrap();
+                (raw, rest[rest.len() - 3..].to_vec())
+            }
+        });
+        let t = Duration::from_secs(5);
+        assert!(
+            matches!(victim.recv("r", t).await.unwrap(), Msg::Refuse { cause, .. } if cause == "m0")
+        );
+        let (mut raw, tail) = writer.await.unwrap();
+        // The second frame is short of its last 3 bytes; a spin that times out leaves them
+        // pending, and the reader task, started now, finishes the frame.
+        let short = victim.clone().with_spin(Duration::from_millis(20));
+        let e = short
+            .recv("r", Duration::from_millis(20))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, HarnessError::ControlTimeout { .. }), "{e:?}");
+        tokio::spawn(read_task(rx));
+        raw.write_all(&tail).await.unwrap();
+        let parked = victim.with_spin(Duration::ZERO);
+        assert!(
+            matches!(parked.recv("r", t).await.unwrap(), Msg::Refuse { cause, .. } if cause == "m1")
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_spinning_recv_closes_the_link_on_a_frame_over_the_cap() {
+        let (mut raw, s) = connected().await;
+        let (victim, _rx) = Link::tcp_unread("victim", s);
+        let victim = victim.with_spin(Duration::from_secs(5));
+        raw.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+        let err = victim.recv("r", Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(err, HarnessError::Control { .. }), "{err:?}");
+        assert!(err.to_string().contains("exceeds"), "{err}");
+        // Sends still fail cleanly once the peer is gone.
+        drop(raw);
     }
 }

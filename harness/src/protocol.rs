@@ -70,7 +70,9 @@ pub fn bad_reply(kind: PayloadKind, rid: &str, msg: Msg) -> HarnessError {
 
 /// Microseconds from `a` to `b` (zero if `b` is earlier).
 pub(crate) fn micros_since(a: Instant, b: Instant) -> u64 {
-    u64::try_from(b.saturating_duration_since(a).as_micros()).unwrap_or(u64::MAX)
+    // Rounded up: a consumer that dates a handoff's start from this (an offer that came in
+    // the same write as its packet) must not start it after the producer's offer.
+    u64::try_from(b.saturating_duration_since(a).as_nanos().div_ceil(1000)).unwrap_or(u64::MAX)
 }
 
 /// When each step of a handoff happened, as the consumer saw it.

@@ -254,6 +254,19 @@ impl StageUsage {
 /// Runs CPU-heavy work (generating, digesting hundreds of MiB) without
 /// stalling the runtime: other requests' transfers and control messages keep
 /// moving on the remaining workers.
+/// Verifications of at most this many bytes run in place: digesting a few KiB takes less
+/// than handing the worker's core to another thread (`block_in_place`).
+const IN_PLACE_BYTES: u64 = 256 << 10;
+
+/// [`cpu`] for work on `bytes` bytes: in place when they are few.
+fn cpu_for<R>(bytes: u64, f: impl FnOnce() -> R) -> R {
+    if bytes <= IN_PLACE_BYTES && std::env::var_os("OMNIRIG_VERIFY_OFFLOAD").is_none() {
+        f()
+    } else {
+        cpu(f)
+    }
+}
+
 pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
     use tokio::runtime::{Handle, RuntimeFlavor};
     match Handle::try_current().map(|h| h.runtime_flavor()) {
@@ -997,7 +1010,7 @@ impl StageWorker {
                         offset,
                         len,
                     } => {
-                        let found = cpu(|| {
+                        let found = cpu_for(len, || {
                             pool.buffer
                                 .view(offset, len, |b| self.check_input(plan, &tensor, b))
                         });
@@ -1273,7 +1286,7 @@ impl StageWorker {
                         offset,
                         len,
                     } => {
-                        let found = cpu(|| {
+                        let found = cpu_for(len, || {
                             store
                                 .buffer
                                 .view(offset, len, |b| self.check_input(plan, &tensor, b))
@@ -1741,15 +1754,13 @@ impl StageWorker {
             m = m.with_sidecar(move |p| faulty_sidecar(f, p));
         }
         let mut writes: Vec<(usize, Grant)> = Vec::new();
+        // Messages held until the machine has no more actions, so an offer and the inline
+        // packet right behind it leave in one write.
+        let mut out: Vec<Msg> = Vec::new();
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
-                    // The offer must reach the consumer; an ERROR is best effort (the
-                    // handoff already failed and says why).
-                    ProducerAction::Send(msg @ Msg::Error { .. }) => {
-                        let _ = link.send(msg);
-                    }
-                    ProducerAction::Send(msg) => link.send(msg)?,
+                    ProducerAction::Send(msg) => out.push(msg),
                     ProducerAction::Write { index, grant, .. } => writes.push((index, grant)),
                     ProducerAction::Inline => {
                         // The packet carries the tensors, in its layout.
@@ -1776,10 +1787,17 @@ impl StageWorker {
                         }
                         sent.transfer_ms = ms(now().saturating_duration_since(t));
                     }
-                    ProducerAction::Done => return Ok(sent),
-                    ProducerAction::Failed(e) => return Err(e),
+                    ProducerAction::Done => {
+                        send_held(link, &mut out)?;
+                        return Ok(sent);
+                    }
+                    ProducerAction::Failed(e) => {
+                        send_held(link, &mut out)?;
+                        return Err(e);
+                    }
                 }
             }
+            send_held(link, &mut out)?;
             if !writes.is_empty() {
                 // Every tensor in one engine batch.
                 let mut requests = Vec::with_capacity(writes.len());
@@ -1959,6 +1977,19 @@ impl StageWorker {
             });
         }
         u
+    }
+}
+
+/// Sends a producer's held messages in one write. The offer and the packet must reach the
+/// consumer; an ERROR is best effort (the handoff already failed and says why).
+fn send_held(link: &Link, out: &mut Vec<Msg>) -> Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    let must = out.iter().any(|m| !matches!(m, Msg::Error { .. }));
+    match link.send_all(std::mem::take(out)) {
+        Err(e) if must => Err(e),
+        _ => Ok(()),
     }
 }
 
