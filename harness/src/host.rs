@@ -385,6 +385,8 @@ pub struct Calibration {
     pub generate_ns_per_byte: f64,
     pub digest_ns_per_byte: f64,
     pub copy_ns_per_byte: f64,
+    /// What each copying thread itself spent on a CPU per byte (Linux), for the record.
+    pub copy_thread_cpu_ns_per_byte: Option<f64>,
     pub message_us: f64,
     /// Control round trip over TCP on 127.0.0.1, median, microseconds.
     pub round_trip_us: f64,
@@ -393,6 +395,12 @@ pub struct Calibration {
     /// Bytes each throughput was measured over, and the round trips timed.
     pub bytes: u64,
     pub round_trips: u32,
+}
+
+/// This thread's time on a CPU so far (Linux's schedstat), ns; None elsewhere.
+fn thread_cpu_ns() -> Option<f64> {
+    let t = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    t.split_whitespace().next()?.parse().ok()
 }
 
 /// The median of three runs of `f`, in ns (one run is at the mercy of a busy machine).
@@ -410,7 +418,7 @@ fn timed(mut f: impl FnMut()) -> f64 {
 
 /// Measures, on this machine, what the host model charges: generating fixture bytes (the
 /// stubs' generator), XXH3-128 over bytes, a TCP copy over 127.0.0.1 (a writer and a reader
-/// thread, each busy the whole time, so the elapsed time per byte is each side's cost) and
+/// thread; the CPU time each spends, averaged, is a side's cost) and
 /// a small control frame's round trip (a round trip is two messages, each costing its
 /// sender and its receiver: `message_us` = round trip / 4). `bytes` per throughput.
 pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
@@ -438,7 +446,8 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
     }
     let mut sink = 0u8;
     let digest = timed(|| {
-        sink ^= omnirig_fixtures::Digest128::of_bytes(std::hint::black_box(&buf)).to_hex()
+        sink ^= omnirig_fixtures::Digest128::of_bytes(std::hint::black_box(&buf))
+            .to_hex()
             .as_bytes()[0];
     });
     std::hint::black_box(sink);
@@ -449,8 +458,10 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         let (mut s, _) = listener.accept()?;
         s.set_nodelay(true)?;
         let mut chunk = vec![0u8; 1 << 20];
-        // Three bulk copies, then echo frames back.
+        // Three bulk copies (answering each with the CPU time it took this side), then echo
+        // frames back.
         for _ in 0..3 {
+            let c0 = thread_cpu_ns();
             let mut left = bytes;
             while left > 0 {
                 let n = s.read(&mut chunk[..(left.min(1 << 20)) as usize])?;
@@ -459,7 +470,8 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
                 }
                 left -= n as u64;
             }
-            s.write_all(&[1])?;
+            let spent = c0.zip(thread_cpu_ns()).map_or(-1.0, |(a, b)| b - a);
+            s.write_all(&spent.to_le_bytes())?;
         }
         let mut frame = [0u8; 68];
         loop {
@@ -472,16 +484,29 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
     });
     let mut s = TcpStream::connect(addr)?;
     s.set_nodelay(true)?;
+    // A copy's cost per side is its wall time per byte: the two threads' own CPU time
+    // (kept for the record) misses the loopback's receive processing, which the kernel does
+    // in softirq context, charged to neither; predictions made with it came out 30-70% low
+    // (docs/sim.md).
     let mut copies = Vec::new();
+    let mut threads = Vec::new();
     for _ in 0..3 {
         let t0 = std::time::Instant::now();
+        let c0 = thread_cpu_ns();
         for c in buf.chunks(1 << 20) {
             s.write_all(c)?;
         }
-        let mut ack = [0u8; 1];
+        let sent = c0.zip(thread_cpu_ns()).map(|(a, b)| b - a);
+        let mut ack = [0u8; 8];
         s.read_exact(&mut ack)?;
-        copies.push(t0.elapsed().as_nanos() as f64);
+        let received = f64::from_le_bytes(ack);
+        let wall = t0.elapsed().as_nanos() as f64;
+        if let Some(x) = sent.filter(|_| received >= 0.0) {
+            threads.push((x + received) / 2.0);
+        }
+        copies.push(wall);
     }
+    threads.sort_by(f64::total_cmp);
     copies.sort_by(f64::total_cmp);
     let mut rtts = Vec::with_capacity(round_trips as usize);
     let mut frame = [7u8; 68];
@@ -502,6 +527,7 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         generate_ns_per_byte: per(generate),
         digest_ns_per_byte: per(digest),
         copy_ns_per_byte: per(copies[1]),
+        copy_thread_cpu_ns_per_byte: threads.get(threads.len() / 2).map(|&x| per(x)),
         message_us: rtt_us / 4.0,
         round_trip_us: rtt_us,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),

@@ -16,8 +16,8 @@ use omnirig_transports::{
 };
 
 use crate::control::Link;
-use crate::host::{Cpu, StageCpu};
 use crate::error::{HarnessError, Result};
+use crate::host::{Cpu, StageCpu};
 use crate::report::{Failure, FaultReport, HopResult, REPORT_VERSION, Report, RequestResult, gbps};
 use crate::scenario::{PlannedRequest, Scenario};
 use crate::stage::{HopEnd, StageOutcome, StageUsage, StageWorker, inbound_kind, outbound_kind};

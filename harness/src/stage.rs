@@ -24,10 +24,10 @@ use crate::control::{Link, Msg};
 use crate::ec::{EcAcquire, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
+use crate::host::StageCpu;
 use crate::inline::packet_layout;
 use crate::kv::{BlockPool, KvGeometry, block_hash, contiguous_runs};
 use crate::pool::{Lease, Pool};
-use crate::host::StageCpu;
 use crate::pregen::Pregenerated;
 use crate::protocol::ec::{
     EcConsumer, EcConsumerAction, EcEntry, EcProducer, EcProducerAction, EcProducerState,

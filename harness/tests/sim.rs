@@ -191,7 +191,10 @@ fn the_cpu_section_parses_and_bad_values_name_their_field() {
     assert!(sim::fabric_file_from_str(fabric, "f").unwrap().1.is_none());
     for (section, field) in [
         ("cpu: { digest_ns_per_byte: -1 }", "cpu.digest_ns_per_byte"),
-        ("cpu: { generate_ns_per_byte: .nan }", "cpu.generate_ns_per_byte"),
+        (
+            "cpu: { generate_ns_per_byte: .nan }",
+            "cpu.generate_ns_per_byte",
+        ),
         ("cpu: { message_us: 1e9 }", "cpu.message_us"),
         ("cpu: { cores: 100000 }", "cpu.cores"),
         (
@@ -260,7 +263,10 @@ fn two_jobs_on_one_core_take_twice_as_long() {
                 t0.elapsed()
             }
         );
-        assert_eq!((a, b), (Duration::from_millis(15), Duration::from_millis(20)));
+        assert_eq!(
+            (a, b),
+            (Duration::from_millis(15), Duration::from_millis(20))
+        );
         let two = Host::new("two", 2);
         let t0 = tokio::time::Instant::now();
         tokio::join!(two.run(work), two.run(work));
@@ -282,8 +288,14 @@ fn the_calibration_parses_back_as_a_fabric() {
         .unwrap_or_else(|e| panic!("{e}\n{section}"));
     assert_eq!(back, spec);
     let cpu = cpu.expect("a cpu section");
-    assert!(cpu.generate_ns_per_byte > 0.0 && cpu.digest_ns_per_byte > 0.0, "{section}");
-    assert!(cpu.copy_ns_per_byte > 0.0 && cpu.message_us > 0.0, "{section}");
+    assert!(
+        cpu.generate_ns_per_byte > 0.0 && cpu.digest_ns_per_byte > 0.0,
+        "{section}"
+    );
+    assert!(
+        cpu.copy_ns_per_byte > 0.0 && cpu.message_us > 0.0,
+        "{section}"
+    );
     assert_eq!(cpu.hosts[0].nodes.len(), nodes.len());
 }
 
@@ -305,7 +317,12 @@ fn the_host_model_charges_time_and_replays() {
     let a = sim::run(&s, Some(3)).unwrap();
     let b = sim::run(&s, Some(3)).unwrap();
     assert!(a.report.passed(), "{}", a.report.summary_text());
-    assert_eq!(a.digest, b.digest, "{:?}", sim::first_difference(&a.trace, &b.trace));
+    assert_eq!(
+        a.digest,
+        b.digest,
+        "{:?}",
+        sim::first_difference(&a.trace, &b.trace)
+    );
     assert_eq!(
         serde_json::to_string(&a.report.requests).unwrap(),
         serde_json::to_string(&b.report.requests).unwrap()
