@@ -646,8 +646,8 @@ impl StageWorker {
         &self,
         engine: &Engine,
         requests: Vec<Request>,
-        bytes: u64,
     ) -> omnirig_transports::Result<()> {
+        let bytes = requests.iter().map(|r| r.len).sum();
         let t = engine.transfer(requests, Some(self.timeout()));
         match &self.host {
             Some(h) => tokio::join!(t, h.copy(bytes)).0,
@@ -1562,7 +1562,7 @@ impl StageWorker {
                     sent.tensors = indices.len();
                     let t = now();
                     sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-                    let r = self.transfer(engine, requests, sent.bytes).await;
+                    let r = self.transfer(engine, requests).await;
                     sent.transfer_ms = ms(now().saturating_duration_since(t));
                     match r {
                         Ok(_) => {
@@ -1731,7 +1731,7 @@ impl StageWorker {
                 sent.requests = requests.len();
                 let t = now();
                 sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-                let r = self.transfer(engine, requests, sent.bytes).await;
+                let r = self.transfer(engine, requests).await;
                 sent.transfer_ms = ms(now().saturating_duration_since(t));
                 match r {
                     Ok(_) => {
@@ -1851,7 +1851,7 @@ impl StageWorker {
                 sent.tensors = indices.len();
                 let t = now();
                 sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-                let r = self.transfer(engine, requests, sent.bytes).await;
+                let r = self.transfer(engine, requests).await;
                 sent.transfer_ms = ms(now().saturating_duration_since(t));
                 match r {
                     Ok(_) => {
