@@ -741,18 +741,50 @@ impl Link {
         a: &str,
         b: &str,
     ) -> Result<(Link, Link)> {
+        Self::pair_over_hosts(name, fabric, a, b, None)
+    }
+
+    /// As [`pair_over`](Self::pair_over), each message also costing `cpu`'s per-message
+    /// work on the sending host (before it leaves) and on the receiving one (before it is
+    /// delivered): encoding, the syscall and the wake-up of a real control channel.
+    pub fn pair_over_hosts(
+        name: &str,
+        fabric: &Arc<omnirig_transports::Fabric>,
+        a: &str,
+        b: &str,
+        cpu: Option<&Arc<crate::host::Cpu>>,
+    ) -> Result<(Link, Link)> {
         use omnirig_transports::transport::sim::Channel;
         let setup = |e: omnirig_transports::Error| HarnessError::Setup(format!("{name}: {e}"));
         let (ma, mb) = (
             Arc::new(Mailboxes::default()),
             Arc::new(Mailboxes::default()),
         );
-        let out = |to: &Arc<Mailboxes>, ch: Channel| {
+        // (sending host, receiving host, work per message on each), when CPU is charged.
+        let hosts = |from: &str, to: &str| {
+            let c = cpu?;
+            let w = c.message();
+            (!w.is_zero()).then_some((c.host(from)?, c.host(to)?, w))
+        };
+        let out = |to: &Arc<Mailboxes>, ch: Channel, hosts: Option<(_, _, _)>| {
             let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Msg)>();
             let to = to.clone();
             tokio::spawn(async move {
                 while let Some((at, msg)) = rx.recv().await {
-                    tokio::time::sleep_until(at).await;
+                    match &hosts {
+                        // One message at a time per direction, as the frames of one
+                        // socket are: in order, the sender's work first. Its departure
+                        // was reserved when it was sent, so the sender's work delays only
+                        // its delivery.
+                        Some((src, dst, w)) => {
+                            let (src, dst): (&Arc<crate::host::Host>, &Arc<crate::host::Host>) =
+                                (src, dst);
+                            src.run(*w).await;
+                            tokio::time::sleep_until(at).await;
+                            dst.run(*w).await;
+                        }
+                        None => tokio::time::sleep_until(at).await,
+                    }
                     to.deliver(msg);
                 }
             });
@@ -763,13 +795,13 @@ impl Link {
         Ok((
             Link {
                 name: name.into(),
-                out: out(&mb, ab),
+                out: out(&mb, ab, hosts(a, b)),
                 inbox: ma.clone(),
                 spin: Duration::ZERO,
             },
             Link {
                 name: name.into(),
-                out: out(&ma, ba),
+                out: out(&ma, ba, hosts(b, a)),
                 inbox: mb,
                 spin: Duration::ZERO,
             },

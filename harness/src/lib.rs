@@ -26,6 +26,7 @@ pub mod control;
 pub mod ec;
 pub mod error;
 pub mod faults;
+pub mod host;
 pub mod inline;
 pub mod kv;
 pub mod pool;

@@ -17,6 +17,7 @@ use omnirig_transports::{
 
 use crate::control::Link;
 use crate::error::{HarnessError, Result};
+use crate::host::{Cpu, StageCpu};
 use crate::report::{Failure, FaultReport, HopResult, REPORT_VERSION, Report, RequestResult, gbps};
 use crate::scenario::{PlannedRequest, Scenario};
 use crate::stage::{HopEnd, StageOutcome, StageUsage, StageWorker, inbound_kind, outbound_kind};
@@ -125,6 +126,17 @@ pub async fn local_stages_on(
             RUNS.fetch_add(1, Ordering::Relaxed)
         ),
     };
+    // The host model, when the scenario has one and this run is simulated.
+    let cpu = match (fabric, &scenario.cpu) {
+        (Some(f), Some(c)) if !c.is_free() => {
+            let nodes: Vec<&str> = f.spec().nodes.iter().map(|n| n.name.as_str()).collect();
+            Some(Arc::new(
+                Cpu::new(c.clone(), &nodes, f.time_scale())
+                    .map_err(|e| HarnessError::Setup(format!("cpu: {e}")))?,
+            ))
+        }
+        _ => None,
+    };
     let mut ends: BTreeMap<&str, (HopEnd, HopEnd)> = BTreeMap::new();
     for kind in PayloadKind::ALL {
         let transport = scenario.transport_for(kind);
@@ -152,7 +164,7 @@ pub async fn local_stages_on(
         let tx = Arc::new(Engine::new(tx_cfg).await?);
         let rx = Arc::new(Engine::new(rx_cfg).await?);
         let (a, b) = match sim {
-            Some((f, ps, pd)) => Link::pair_over(kind.as_str(), f, &ps, &pd)?,
+            Some((f, ps, pd)) => Link::pair_over_hosts(kind.as_str(), f, &ps, &pd, cpu.as_ref())?,
             None => Link::pair(kind.as_str()),
         };
         ends.insert(
@@ -182,6 +194,16 @@ pub async fn local_stages_on(
             let mut w = StageWorker::new(scenario.stage_config(stage, sizes), inbound, outbound)?;
             if scenario.pregenerate {
                 w.pregenerate(&specs)?;
+            }
+            if let (Some(c), Some(f)) = (&cpu, fabric) {
+                let host_of = |s: Stage| c.host(&place(f, s));
+                if let Some(host) = host_of(stage) {
+                    w.charge_cpu(StageCpu {
+                        cpu: c.clone(),
+                        host,
+                        peer: outbound_kind(stage).and_then(|k| host_of(k.target())),
+                    });
+                }
             }
             Ok(w)
         })

@@ -152,6 +152,11 @@ pub struct Scenario {
     /// 100 Gb/s switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric: Option<omnirig_transports::FabricSpec>,
+    /// The host model of simulated runs: what the stages' CPU work costs and how many cores
+    /// share it (see [`crate::host::CpuSpec`]); a fabric file's `cpu:` section lands here.
+    /// None: CPU work takes no simulated time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<crate::host::CpuSpec>,
 }
 
 /// Where stage tensors (pools, KV cache, encoder cache) are allocated.
@@ -383,6 +388,7 @@ impl Scenario {
             kill_stage: None,
             pregenerate: false,
             fabric: None,
+            cpu: None,
         }
     }
 
@@ -508,6 +514,11 @@ impl Scenario {
             for stage in f.placement.keys() {
                 Stage::parse(stage, "fabric.placement").map_err(|e| bad(source, e.to_string()))?;
             }
+        }
+        if let Some(c) = &self.cpu {
+            let fabric = self.fabric.clone().unwrap_or_default();
+            let nodes: Vec<&str> = fabric.nodes.iter().map(|n| n.name.as_str()).collect();
+            c.validate(&nodes).map_err(|e| bad(source, e))?;
         }
         let requests = self.expand().map_err(|e| within(source, e))?;
         self.compile_faults(&requests)

@@ -17,6 +17,7 @@ use omnirig_transports::{Fabric, FabricSpec, FaultKind, TransportKind};
 
 use crate::error::{HarnessError, Result};
 use crate::faults::AnyFault;
+use crate::host::CpuSpec;
 use crate::report::Report;
 use crate::runner::Runner;
 use crate::scenario::Scenario;
@@ -246,17 +247,51 @@ pub fn first_difference(a: &[String], b: &[String]) -> Option<(usize, String, St
 }
 
 /// Reads a fabric file (YAML, the same shape as a scenario's `fabric:` section), validated.
+/// Its `cpu:` section, if any, is left out: see [`fabric_file_from_path`].
 pub fn fabric_from_path(path: &std::path::Path) -> Result<FabricSpec> {
+    Ok(fabric_file_from_path(path)?.0)
+}
+
+/// Reads a fabric file: the fabric, and its `cpu:` section (the host model; in a scenario
+/// it sits beside `fabric:`), both validated.
+pub fn fabric_file_from_path(path: &std::path::Path) -> Result<(FabricSpec, Option<CpuSpec>)> {
     let name = path.display().to_string();
-    let bad = |reason: String| HarnessError::Scenario {
+    let text = std::fs::read_to_string(path).map_err(|e| HarnessError::Scenario {
         source_name: name.clone(),
+        reason: e.to_string(),
+    })?;
+    fabric_file_from_str(&text, &name)
+}
+
+/// As [`fabric_file_from_path`], from the file's text; `name` names it in errors.
+pub fn fabric_file_from_str(text: &str, name: &str) -> Result<(FabricSpec, Option<CpuSpec>)> {
+    let bad = |reason: String| HarnessError::Scenario {
+        source_name: name.to_string(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-    let spec: FabricSpec = serde_saphyr::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    // `cpu` is the harness's section, beside the engine's fabric fields; anything neither
+    // knows is refused.
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct FabricFile {
+        #[serde(flatten)]
+        fabric: FabricSpec,
+        #[serde(default)]
+        cpu: Option<CpuSpec>,
+    }
+    let f: FabricFile = serde_saphyr::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let (spec, cpu) = (f.fabric, f.cpu);
     spec.validate().map_err(|e| bad(e.detail().to_string()))?;
     for stage in spec.placement.keys() {
         omnirig_fixtures::Stage::parse(stage, "placement").map_err(|e| bad(e.to_string()))?;
     }
-    Ok(spec)
+    let cpu = match cpu {
+        Some(c) => {
+            let nodes: Vec<&str> = spec.nodes.iter().map(|n| n.name.as_str()).collect();
+            c.validate(&nodes).map_err(bad)?;
+            Some(c)
+        }
+        None => None,
+    };
+    Ok((spec, cpu))
 }

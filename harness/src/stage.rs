@@ -24,6 +24,7 @@ use crate::control::{Link, Msg};
 use crate::ec::{EcAcquire, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
+use crate::host::StageCpu;
 use crate::inline::packet_layout;
 use crate::kv::{BlockPool, KvGeometry, block_hash, contiguous_runs};
 use crate::pool::{Lease, Pool};
@@ -517,6 +518,8 @@ pub struct StageWorker {
     outbound: Option<Side<OutMem>>,
     /// Outputs and input digests made ahead (benchmarks; see [`StageWorker::pregenerate`]).
     pregen: Option<Pregenerated>,
+    /// Simulated runs with a host model: where this stage's CPU work is charged.
+    host: Option<StageCpu>,
 }
 
 fn kv_geometry(card: &ModelCard, options: &ShapeOptions, capacity: u32) -> KvGeometry {
@@ -629,7 +632,40 @@ impl StageWorker {
             inbound,
             outbound,
             pregen: None,
+            host: None,
         })
+    }
+
+    /// Charges this stage's CPU work (generating, digesting, copying, control messages) on
+    /// the host model of a simulated run; without it that work takes no virtual time.
+    pub fn charge_cpu(&mut self, host: StageCpu) {
+        self.host = Some(host);
+    }
+
+    /// Charges verifying `bytes` of the inbound tensor `tensor` (see [`StageCpu::verify`]).
+    async fn charge_verify(&self, plan: &RequestPlan, tensor: &str, bytes: u64) {
+        let Some(h) = &self.host else { return };
+        let small = self
+            .stub
+            .inbound(plan)
+            .filter(|hop| hop.payload_kind != PayloadKind::KvCache)
+            .and_then(|hop| hop.tensor(tensor))
+            .is_some_and(|t| t.byte_length <= omnirig_model_stubs::BYTE_COMPARE_MAX);
+        h.verify(bytes, self.pregen.is_some(), small).await;
+    }
+
+    /// `engine.transfer`, with the copies' CPU work beside it when a host model is on.
+    async fn transfer(
+        &self,
+        engine: &Engine,
+        requests: Vec<Request>,
+    ) -> omnirig_transports::Result<()> {
+        let bytes = requests.iter().map(|r| r.len).sum();
+        let t = engine.transfer(requests, Some(self.timeout()));
+        match &self.host {
+            Some(h) => tokio::join!(t, h.copy(bytes)).0,
+            None => t.await,
+        }
     }
 
     /// Makes this stage's outputs for `specs` now, into a registered buffer of its outbound
@@ -1014,6 +1050,7 @@ impl StageWorker {
                             pool.buffer
                                 .view(offset, len, |b| self.check_input(plan, &tensor, b))
                         });
+                        self.charge_verify(plan, &tensor, len).await;
                         let found = match found {
                             Ok(Ok(d)) => Ok(d),
                             Ok(Err(e)) => Err(plan_err(&tensor, &e)),
@@ -1163,6 +1200,11 @@ impl StageWorker {
                                 pool.commit(b, block_hash(plan.seed, i as u64));
                             }
                         }
+                        if let Some(h) = &self.host {
+                            let bytes =
+                                held.blocks.len() as u64 * bb * 2 * u64::from(layout.num_layers);
+                            h.verify(bytes, self.pregen.is_some(), false).await;
+                        }
                         m.verified(now(), found);
                     }
                     KvConsumerAction::Done => {
@@ -1291,6 +1333,7 @@ impl StageWorker {
                                 .buffer
                                 .view(offset, len, |b| self.check_input(plan, &tensor, b))
                         });
+                        self.charge_verify(plan, &tensor, len).await;
                         let found = match found {
                             Ok(Ok(d)) => Ok(d),
                             Ok(Err(e)) => Err(hop_err(&tensor, &e)),
@@ -1532,7 +1575,7 @@ impl StageWorker {
                     sent.tensors = indices.len();
                     let t = now();
                     sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-                    let r = engine.transfer(requests, Some(self.timeout())).await;
+                    let r = self.transfer(engine, requests).await;
                     sent.transfer_ms = ms(now().saturating_duration_since(t));
                     match r {
                         Ok(_) => {
@@ -1632,6 +1675,17 @@ impl StageWorker {
             self.abort_outbound(rid, plan, &e).await;
             return Err(e);
         }
+        if let Some(h) = &self.host {
+            // Generated block by block (copied instead when pre-generated: a copy's cost).
+            let bytes = held.blocks.len() as u64 * bb * 2 * u64::from(layout.num_layers);
+            if self.pregen.is_some() {
+                h.host
+                    .run(h.cpu.work(bytes, h.cpu.spec().copy_ns_per_byte))
+                    .await;
+            } else {
+                h.produce(bytes, false).await;
+            }
+        }
         let mut m = KvProducer::new(
             now(),
             hop.payload_kind,
@@ -1690,7 +1744,7 @@ impl StageWorker {
                 sent.requests = requests.len();
                 let t = now();
                 sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-                let r = engine.transfer(requests, Some(self.timeout())).await;
+                let r = self.transfer(engine, requests).await;
                 sent.transfer_ms = ms(now().saturating_duration_since(t));
                 match r {
                     Ok(_) => {
@@ -1815,7 +1869,7 @@ impl StageWorker {
                 sent.tensors = indices.len();
                 let t = now();
                 sent.transfer_start_ms = Some(ms(t.duration_since(started)));
-                let r = engine.transfer(requests, Some(self.timeout())).await;
+                let r = self.transfer(engine, requests).await;
                 sent.transfer_ms = ms(now().saturating_duration_since(t));
                 match r {
                     Ok(_) => {
@@ -1913,6 +1967,9 @@ impl StageWorker {
         })
         .map_err(|e| fail(&e))?
         .map_err(|e| fail(&e))?;
+        if let Some(h) = &self.host {
+            h.produce(len, true).await;
+        }
         Ok(Staged {
             offset: lease.offset,
             _lease: Some(lease),

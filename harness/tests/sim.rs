@@ -173,3 +173,165 @@ fn the_rfc_fabric_runs() {
     let bad = sim::fabric_from_path(&root.join("scenarios/rfc.yaml")).unwrap_err();
     assert!(bad.to_string().contains("rfc.yaml"), "{bad}");
 }
+
+/// The host model's `cpu:` section parses from a fabric file, and bad values are refused
+/// naming the field.
+#[test]
+fn the_cpu_section_parses_and_bad_values_name_their_field() {
+    let fabric = "nodes:\n  - { name: a, nics: [{ name: lo, gbps: 20 }] }\n  - { name: b, nics: [{ name: lo, gbps: 20 }] }\nswitch: { gbps: 20 }\n";
+    let good = format!(
+        "{fabric}cpu:\n  generate_ns_per_byte: 1.5\n  digest_ns_per_byte: 0.1\n  copy_ns_per_byte: 0.3\n  message_us: 10\n  hosts: [{{ name: box, cores: 2, nodes: [a, b] }}]\n"
+    );
+    let (spec, cpu) = sim::fabric_file_from_str(&good, "good.yaml").unwrap();
+    assert_eq!(spec.nodes.len(), 2);
+    let cpu = cpu.expect("a cpu section");
+    assert_eq!(cpu.generate_ns_per_byte, 1.5);
+    assert_eq!(cpu.hosts[0].cores, 2);
+    // Without the section: no host model (the old behaviour).
+    assert!(sim::fabric_file_from_str(fabric, "f").unwrap().1.is_none());
+    for (section, field) in [
+        ("cpu: { digest_ns_per_byte: -1 }", "cpu.digest_ns_per_byte"),
+        (
+            "cpu: { generate_ns_per_byte: .nan }",
+            "cpu.generate_ns_per_byte",
+        ),
+        ("cpu: { message_us: 1e9 }", "cpu.message_us"),
+        ("cpu: { cores: 100000 }", "cpu.cores"),
+        (
+            "cpu: { hosts: [{ name: box, cores: 0, nodes: [a] }] }",
+            "cpu.hosts[0].cores",
+        ),
+        (
+            "cpu: { hosts: [{ name: box, cores: 1, nodes: [zz] }] }",
+            "cpu.hosts[0].nodes",
+        ),
+        (
+            "cpu: { hosts: [{ name: x, cores: 1, nodes: [a] }, { name: y, cores: 1, nodes: [a] }] }",
+            "cpu.hosts[1].nodes",
+        ),
+        ("cpu: { copy_gbps: 3 }", "copy_gbps"),
+        ("bogus: 1", "bogus"),
+    ] {
+        let e = sim::fabric_file_from_str(&format!("{fabric}{section}\n"), "bad.yaml")
+            .expect_err(section)
+            .to_string();
+        assert!(e.contains(field), "{section}: {e}");
+        assert!(e.contains("bad.yaml"), "{e}");
+    }
+}
+
+/// Processor sharing: two equal jobs on a one-core host each take twice as long in virtual
+/// time as one alone; on two cores they do not slow each other.
+#[test]
+fn two_jobs_on_one_core_take_twice_as_long() {
+    use omnirig_harness::host::Host;
+    use std::time::Duration;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let work = Duration::from_millis(10);
+        let one = Host::new("one", 1);
+        let t0 = tokio::time::Instant::now();
+        one.run(work).await;
+        let alone = t0.elapsed();
+        assert_eq!(alone, work);
+        let t0 = tokio::time::Instant::now();
+        let (a, b) = tokio::join!(
+            async {
+                one.run(work).await;
+                t0.elapsed()
+            },
+            async {
+                one.run(work).await;
+                t0.elapsed()
+            }
+        );
+        assert_eq!((a, b), (2 * work, 2 * work));
+        // A job arriving halfway: the first runs alone for 5 ms, then both share the core.
+        let t0 = tokio::time::Instant::now();
+        let (a, b) = tokio::join!(
+            async {
+                one.run(work).await;
+                t0.elapsed()
+            },
+            async {
+                tokio::time::sleep(work / 2).await;
+                one.run(work).await;
+                t0.elapsed()
+            }
+        );
+        assert_eq!(
+            (a, b),
+            (Duration::from_millis(15), Duration::from_millis(20))
+        );
+        let two = Host::new("two", 2);
+        let t0 = tokio::time::Instant::now();
+        tokio::join!(two.run(work), two.run(work));
+        assert_eq!(t0.elapsed(), work);
+    });
+}
+
+/// `simulate --calibrate-cpu`'s section, pasted into a fabric, parses back (and costs
+/// something on this machine).
+#[test]
+fn the_calibration_parses_back_as_a_fabric() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("fabrics/rfc-ndr400.yaml")).unwrap();
+    let (spec, _) = sim::fabric_file_from_str(&text, "rfc").unwrap();
+    let nodes: Vec<&str> = spec.nodes.iter().map(|n| n.name.as_str()).collect();
+    let c = omnirig_harness::host::calibrate(4 << 20, 50).unwrap();
+    let section = c.cpu_yaml(&nodes);
+    let (back, cpu) = sim::fabric_file_from_str(&format!("{text}\n{section}"), "calibrated")
+        .unwrap_or_else(|e| panic!("{e}\n{section}"));
+    assert_eq!(back, spec);
+    let cpu = cpu.expect("a cpu section");
+    assert!(
+        cpu.generate_ns_per_byte > 0.0 && cpu.digest_ns_per_byte > 0.0,
+        "{section}"
+    );
+    assert!(
+        cpu.copy_ns_per_byte > 0.0 && cpu.message_us > 0.0,
+        "{section}"
+    );
+    assert_eq!(cpu.hosts[0].nodes.len(), nodes.len());
+}
+
+/// With a host model a run's CPU work takes virtual time (so e2e grows), and the run stays
+/// a function of (scenario, seed).
+#[test]
+fn the_host_model_charges_time_and_replays() {
+    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
+    s.concurrency = 2;
+    s.requests[0].repeat = 2;
+    let free = sim::run(&s, Some(3)).unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (fabric, cpu) =
+        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    assert!(cpu.is_some(), "tcp-localhost.yaml has a cpu section");
+    s.fabric = Some(fabric.clone());
+    let no_cpu = sim::run(&s, Some(3)).unwrap();
+    s.cpu = cpu;
+    let a = sim::run(&s, Some(3)).unwrap();
+    let b = sim::run(&s, Some(3)).unwrap();
+    assert!(a.report.passed(), "{}", a.report.summary_text());
+    assert_eq!(
+        a.digest,
+        b.digest,
+        "{:?}",
+        sim::first_difference(&a.trace, &b.trace)
+    );
+    assert_eq!(
+        serde_json::to_string(&a.report.requests).unwrap(),
+        serde_json::to_string(&b.report.requests).unwrap()
+    );
+    assert!(
+        a.report.summary.e2e_p50_ms > no_cpu.report.summary.e2e_p50_ms * 2.0,
+        "cpu {} ms vs none {} ms",
+        a.report.summary.e2e_p50_ms,
+        no_cpu.report.summary.e2e_p50_ms
+    );
+    assert!(free.report.passed());
+}

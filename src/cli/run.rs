@@ -82,7 +82,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             anyhow::bail!("--transport sim runs in one process; drop --processes");
         }
         if let Some(f) = &args.fabric {
-            scenario.fabric = Some(omnirig_harness::sim::fabric_from_path(f)?);
+            let (fabric, cpu) = omnirig_harness::sim::fabric_file_from_path(f)?;
+            scenario.fabric = Some(fabric);
+            if cpu.is_some() {
+                scenario.cpu = cpu;
+            }
         }
         return run_sim(&scenario, &args);
     }

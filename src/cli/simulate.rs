@@ -40,6 +40,37 @@ pub struct SimulateArgs {
     /// measured runs can run exactly the same requests.
     #[arg(long)]
     scenarios_out: Option<PathBuf>,
+    /// Measure this machine's CPU costs (generate, digest, tcp copy, control round trip)
+    /// and print them as a fabric's `cpu:` section, every node of `--fabric` (or of the
+    /// default fabric) on one host with this machine's cores; with `--out`, also write
+    /// `cpu.yaml` and `cpu-calibration.json` there. Simulates nothing.
+    #[arg(long)]
+    calibrate_cpu: bool,
+    /// `--calibrate-cpu`: MiB each throughput is measured over.
+    #[arg(long, default_value_t = 64)]
+    calibrate_mib: u64,
+}
+
+fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
+    let fabric = match &args.fabric {
+        Some(f) => sim::fabric_file_from_path(f)?.0,
+        None => omnirig_transports::FabricSpec::default(),
+    };
+    let nodes: Vec<&str> = fabric.nodes.iter().map(|n| n.name.as_str()).collect();
+    let c = omnirig_harness::host::calibrate(args.calibrate_mib << 20, 2000)
+        .context("calibrating the host model")?;
+    let yaml = c.cpu_yaml(&nodes);
+    print!("{yaml}");
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
+        std::fs::write(dir.join("cpu.yaml"), &yaml)?;
+        std::fs::write(
+            dir.join("cpu-calibration.json"),
+            serde_json::to_string_pretty(&c)?,
+        )?;
+        println!("written: {}", dir.display());
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -73,9 +104,27 @@ pub struct Comparison {
     /// A hop's `handoff p50`, or `e2e p50`.
     pub what: String,
     pub predicted_ms: f64,
+    /// The median over the measured runs at this concurrency.
     pub measured_ms: f64,
+    /// The fastest and slowest of those runs, and how many there were.
+    pub measured_min_ms: f64,
+    pub measured_max_ms: f64,
+    pub runs: usize,
     /// (predicted - measured) / measured.
     pub error: f64,
+}
+
+/// The median of `v` (the mean of the middle two for an even count).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 fn hops_of(r: &Report) -> Vec<HopPrediction> {
@@ -127,34 +176,48 @@ pub fn predict(
     })
 }
 
-fn compare(p: &Prediction, m: &Report) -> Vec<Comparison> {
+/// The prediction against every measured run of its concurrency (`ms`: at least one):
+/// each figure against the runs' median.
+fn compare(p: &Prediction, ms: &[&Report]) -> Vec<Comparison> {
     let mut out = Vec::new();
-    let mut push = |what: String, predicted_ms: f64, measured_ms: f64| {
-        if measured_ms > 0.0 {
-            out.push(Comparison {
-                concurrency: p.concurrency,
-                what,
-                predicted_ms,
-                measured_ms,
-                error: (predicted_ms - measured_ms) / measured_ms,
-            });
+    let mut push = |what: String, predicted_ms: f64, measured: &mut Vec<f64>| {
+        measured.retain(|&x| x > 0.0);
+        if measured.is_empty() {
+            return;
         }
+        let measured_ms = median(measured);
+        out.push(Comparison {
+            concurrency: p.concurrency,
+            what,
+            predicted_ms,
+            measured_ms,
+            measured_min_ms: measured[0],
+            measured_max_ms: measured[measured.len() - 1],
+            runs: measured.len(),
+            error: (predicted_ms - measured_ms) / measured_ms,
+        });
     };
     for h in &p.hops {
-        if let Some(mh) = m.hops.iter().find(|x| x.hop == h.hop) {
-            push(
-                format!("{} transfer p50", h.hop),
-                h.transfer_ms_p50,
-                mh.transfer_ms_p50,
-            );
-            push(
-                format!("{} handoff p50", h.hop),
-                h.handoff_ms_p50,
-                mh.handoff_ms_p50,
-            );
-        }
+        let hops: Vec<_> = ms
+            .iter()
+            .filter_map(|m| m.hops.iter().find(|x| x.hop == h.hop))
+            .collect();
+        push(
+            format!("{} transfer p50", h.hop),
+            h.transfer_ms_p50,
+            &mut hops.iter().map(|x| x.transfer_ms_p50).collect(),
+        );
+        push(
+            format!("{} handoff p50", h.hop),
+            h.handoff_ms_p50,
+            &mut hops.iter().map(|x| x.handoff_ms_p50).collect(),
+        );
     }
-    push("e2e p50".into(), p.e2e_ms_p50, m.summary.e2e_p50_ms);
+    push(
+        "e2e p50".into(),
+        p.e2e_ms_p50,
+        &mut ms.iter().map(|m| m.summary.e2e_p50_ms).collect(),
+    );
     out
 }
 
@@ -199,15 +262,18 @@ fn table(preds: &[Prediction]) -> String {
 
 fn comparison_table(cmp: &[Comparison]) -> String {
     let mut t = String::from(
-        "| concurrency | figure | predicted ms | measured ms | error | within 20% |\n|---|---|---|---|---|---|\n",
+        "| concurrency | figure | predicted ms | measured ms (median) | measured min-max ms | runs | error | within 20% |\n|---|---|---|---|---|---|---|---|\n",
     );
     for c in cmp {
         t += &format!(
-            "| {} | {} | {:.3} | {:.3} | {:+.1}% | {} |\n",
+            "| {} | {} | {:.3} | {:.3} | {:.3}-{:.3} | {} | {:+.1}% | {} |\n",
             c.concurrency,
             c.what,
             c.predicted_ms,
             c.measured_ms,
+            c.measured_min_ms,
+            c.measured_max_ms,
+            c.runs,
             c.error * 100.0,
             if c.error.abs() <= 0.2 { "yes" } else { "no" }
         );
@@ -271,12 +337,19 @@ fn plot(cmp: &[Comparison], path: &Path) -> anyhow::Result<()> {
 }
 
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    if args.calibrate_cpu {
+        return calibrate(&args);
+    }
     let mut scenario = match &args.scenario {
         Some(p) => Scenario::from_path(p)?,
         None => Scenario::default_scenario(),
     };
     if let Some(f) = &args.fabric {
-        scenario.fabric = Some(sim::fabric_from_path(f)?);
+        let (fabric, cpu) = sim::fabric_file_from_path(f)?;
+        scenario.fabric = Some(fabric);
+        if cpu.is_some() {
+            scenario.cpu = cpu;
+        }
     }
     let levels: Vec<usize> = args
         .concurrency
@@ -319,13 +392,22 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let mut md = table(&preds);
     let mut cmp = Vec::new();
     for p in &preds {
-        if let Some(m) = measured.iter().find(|m| m.concurrency == p.concurrency) {
-            cmp.extend(compare(p, m));
+        let ms: Vec<&Report> = measured
+            .iter()
+            .filter(|m| m.concurrency == p.concurrency)
+            .collect();
+        if !ms.is_empty() {
+            cmp.extend(compare(p, &ms));
         }
     }
     if !cmp.is_empty() {
         md += "\n";
         md += &comparison_table(&cmp);
+        md += &format!(
+            "\n{} of {} figures within 20% of the measured median.\n",
+            cmp.iter().filter(|c| c.error.abs() <= 0.2).count(),
+            cmp.len()
+        );
     }
     print!("{md}");
     if let Some(dir) = &args.out {
@@ -334,12 +416,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         struct Out<'a> {
             scenario: &'a str,
             fabric: &'a Option<omnirig_transports::FabricSpec>,
+            cpu: &'a Option<omnirig_harness::host::CpuSpec>,
             predictions: &'a [Prediction],
             comparison: &'a [Comparison],
         }
         let json = serde_json::to_string_pretty(&Out {
             scenario: &scenario.name,
             fabric: &scenario.fabric,
+            cpu: &scenario.cpu,
             predictions: &preds,
             comparison: &cmp,
         })?;
