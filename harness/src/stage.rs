@@ -252,22 +252,18 @@ impl StageUsage {
     }
 }
 
-/// Runs CPU-heavy work (generating, digesting hundreds of MiB) without
-/// stalling the runtime: other requests' transfers and control messages keep
-/// moving on the remaining workers.
 /// Verifications of at most this many bytes run in place: digesting a few KiB takes less
 /// than handing the worker's core to another thread (`block_in_place`).
 const IN_PLACE_BYTES: u64 = 256 << 10;
 
 /// [`cpu`] for work on `bytes` bytes: in place when they are few.
 fn cpu_for<R>(bytes: u64, f: impl FnOnce() -> R) -> R {
-    if bytes <= IN_PLACE_BYTES && std::env::var_os("OMNIRIG_VERIFY_OFFLOAD").is_none() {
-        f()
-    } else {
-        cpu(f)
-    }
+    if bytes <= IN_PLACE_BYTES { f() } else { cpu(f) }
 }
 
+/// Runs CPU-heavy work (generating, digesting hundreds of MiB) without
+/// stalling the runtime: other requests' transfers and control messages keep
+/// moving on the remaining workers.
 pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
     use tokio::runtime::{Handle, RuntimeFlavor};
     match Handle::try_current().map(|h| h.runtime_flavor()) {
@@ -276,9 +272,6 @@ pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
-/// Now on tokio's clock, as the protocol machines' std instant: the wall clock normally,
-/// virtual time under a paused runtime (the sim transport's runs), so deadlines and timings
-/// follow the simulated fabric.
 /// Feeds a connector machine its next control-link event: the message for `rid`, its own
 /// deadline passing, or the link failing. Waits until the machine's deadline, or `idle` when
 /// it has none.
@@ -296,6 +289,9 @@ async fn next_event(link: &Link, rid: &str, m: &mut impl LinkEvents, idle: Durat
     }
 }
 
+/// Now on tokio's clock, as the protocol machines' std instant: the wall clock normally,
+/// virtual time under a paused runtime (the sim transport's runs), so deadlines and timings
+/// follow the simulated fabric.
 fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
