@@ -1822,11 +1822,16 @@ impl StageWorker {
                             let a = a as usize;
                             s.buffer.read(s.offset, &mut bytes[a..a + s.len as usize])
                         });
+                        // One instant ends the copy for both clocks: the packet's
+                        // `writing_us` (the consumer's transfer phase) may not end before
+                        // the `transfer_ms` reported beside it.
+                        let done = now();
+                        sent.transfer_ms = ms(done.saturating_duration_since(t));
                         match read {
                             Ok(()) => {
                                 sent.tensors = staged.len();
                                 sent.bytes = staged.iter().map(|s| s.len).sum();
-                                m.inlined(now(), bytes);
+                                m.inlined(done, bytes);
                             }
                             Err(e) => m.inline_failed(HarnessError::handoff(
                                 hop.payload_kind,
@@ -1835,7 +1840,6 @@ impl StageWorker {
                                 &e,
                             )),
                         }
-                        sent.transfer_ms = ms(now().saturating_duration_since(t));
                     }
                     ProducerAction::Done => {
                         send_held(link, &mut out)?;
