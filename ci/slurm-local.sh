@@ -8,10 +8,40 @@ set -euo pipefail
 cmd=${1:?usage: ci/slurm-local.sh start|stop DIR}
 dir=${2:?usage: ci/slurm-local.sh start|stop DIR}
 
+# slurmd and the slurmstepd it forks for each step, of this configuration only (their
+# environment names it), never another Slurm on the machine.
+ours() {
+  local p comm
+  for p in /proc/[0-9]*; do
+    comm=$(cat "$p/comm" 2> /dev/null) || continue
+    [[ $comm == slurmd || $comm == slurmstepd ]] || continue
+    if tr '\0' '\n' < "$p/environ" 2> /dev/null | grep -Fx "SLURM_CONF=$dir/slurm.conf" > /dev/null; then
+      echo "${p#/proc/}"
+    fi
+  done
+}
+
 stop() {
+  # Steps still ending report to the controller first: a slurmstepd whose controller is gone
+  # retries for ever and outlives slurmd.
+  if [[ -s $dir/ctld.pid && -f $dir/slurm.conf ]]; then
+    for _ in $(seq 1 10); do
+      [[ -z $(SLURM_CONF=$dir/slurm.conf squeue -h 2> /dev/null || true) ]] && break
+      sleep 1
+    done
+  fi
   for f in "$dir"/ctld.pid "$dir"/d.pid; do
     [[ -s $f ]] && kill "$(cat "$f")" 2> /dev/null || true
   done
+  local left
+  for _ in $(seq 1 10); do
+    left=$(ours)
+    [[ -z $left ]] && return 0
+    kill $left 2> /dev/null || true
+    sleep 0.5
+  done
+  # shellcheck disable=SC2046 # one pid per word
+  kill -9 $(ours) 2> /dev/null || true
 }
 
 case $cmd in
