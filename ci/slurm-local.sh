@@ -15,7 +15,7 @@ ours() {
   for p in /proc/[0-9]*; do
     comm=$(cat "$p/comm" 2> /dev/null) || continue
     [[ $comm == slurmd || $comm == slurmstepd ]] || continue
-    if tr '\0' '\n' < "$p/environ" 2> /dev/null | grep -Fx "SLURM_CONF=$dir/slurm.conf" > /dev/null; then
+    if tr '\0' '\n' 2> /dev/null < "$p/environ" | grep -Fx "SLURM_CONF=$dir/slurm.conf" > /dev/null; then
       echo "${p#/proc/}"
     fi
   done
@@ -30,18 +30,25 @@ stop() {
       sleep 1
     done
   fi
+  local f p pids=() left
+  # A pid file outlives its daemon: only a pid that is still a Slurm daemon is ours.
   for f in "$dir"/ctld.pid "$dir"/d.pid; do
-    [[ -s $f ]] && kill "$(cat "$f")" 2> /dev/null || true
+    [[ -s $f ]] || continue
+    p=$(cat "$f")
+    case $(cat "/proc/$p/comm" 2> /dev/null) in slurmctld | slurmd) pids+=("$p") ;; esac
   done
-  local left
-  for _ in $(seq 1 10); do
-    left=$(ours)
-    [[ -z $left ]] && return 0
-    kill $left 2> /dev/null || true
+  [[ ${#pids[@]} -eq 0 ]] || kill "${pids[@]}" 2> /dev/null || true
+  # Wait until they are gone: a daemon still shutting down holds its port and pid file.
+  for _ in $(seq 1 20); do
+    left=()
+    for p in "${pids[@]}" $(ours); do
+      kill -0 "$p" 2> /dev/null && left+=("$p")
+    done
+    [[ ${#left[@]} -eq 0 ]] && return 0
+    kill "${left[@]}" 2> /dev/null || true
     sleep 0.5
   done
-  # shellcheck disable=SC2046 # one pid per word
-  kill -9 $(ours) 2> /dev/null || true
+  kill -9 "${left[@]}" 2> /dev/null || true
 }
 
 case $cmd in
