@@ -221,9 +221,10 @@ async fn faults_on_the_cluster() {
             assert!(q.hops.iter().all(|h| h.verified), "{}", q.id);
         } else {
             // Classified, and a timeout: the engine's or the control channel's deadline
-            // (timed_out), or a credit the consumer granted ahead that expired with the hop's
-            // deadline before the producer wrote (grant_refused, naming the expiry): the fence
-            // refuses the late write.
+            // (timed_out), or a grant the consumer gave up at the hop's deadline: a credit
+            // that expired before the producer wrote, or one revoked while its write was
+            // running (grant_refused, naming the expiry or the revoke): the fence refuses the
+            // late write.
             let f = q
                 .failure
                 .as_ref()
@@ -232,7 +233,8 @@ async fn faults_on_the_cluster() {
             assert!(
                 f.kind.as_str() == "timed_out"
                     || e.contains("within")
-                    || (f.kind.as_str() == "grant_refused" && e.contains("expired")),
+                    || (f.kind.as_str() == "grant_refused"
+                        && (e.contains("expired") || e.contains("revoked"))),
                 "{}: {} {e}",
                 q.id,
                 f.kind.as_str()
