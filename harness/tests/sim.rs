@@ -238,31 +238,21 @@ fn two_jobs_on_one_core_take_twice_as_long() {
         one.run(work).await;
         let alone = t0.elapsed();
         assert_eq!(alone, work);
-        let t0 = tokio::time::Instant::now();
-        let (a, b) = tokio::join!(
-            async {
-                one.run(work).await;
-                t0.elapsed()
-            },
-            async {
+        // `work` on the one-core host after `delay`: when it ended, from `t0`.
+        let job = |t0: tokio::time::Instant, delay: Duration| {
+            let one = &one;
+            async move {
+                tokio::time::sleep(delay).await;
                 one.run(work).await;
                 t0.elapsed()
             }
-        );
+        };
+        let t0 = tokio::time::Instant::now();
+        let (a, b) = tokio::join!(job(t0, Duration::ZERO), job(t0, Duration::ZERO));
         assert_eq!((a, b), (2 * work, 2 * work));
         // A job arriving halfway: the first runs alone for 5 ms, then both share the core.
         let t0 = tokio::time::Instant::now();
-        let (a, b) = tokio::join!(
-            async {
-                one.run(work).await;
-                t0.elapsed()
-            },
-            async {
-                tokio::time::sleep(work / 2).await;
-                one.run(work).await;
-                t0.elapsed()
-            }
-        );
+        let (a, b) = tokio::join!(job(t0, Duration::ZERO), job(t0, work / 2));
         assert_eq!(
             (a, b),
             (Duration::from_millis(15), Duration::from_millis(20))
