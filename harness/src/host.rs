@@ -377,6 +377,12 @@ impl StageCpu {
             None => self.host.run(w).await,
         }
     }
+
+    /// A copy of `bytes` within this host (pre-generated outputs copied into place).
+    pub async fn copy_here(&self, bytes: u64) {
+        let w = self.cpu.work(bytes, self.cpu.spec().copy_ns_per_byte);
+        self.host.run(w).await;
+    }
 }
 
 /// This machine's costs, measured by [`calibrate`].

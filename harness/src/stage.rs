@@ -518,6 +518,11 @@ pub struct StageWorker {
     host: Option<StageCpu>,
 }
 
+/// Bytes of `blocks` KV blocks of `block_bytes` each, K and V, over `layers` layers.
+fn kv_bytes(blocks: usize, block_bytes: u64, layers: u32) -> u64 {
+    blocks as u64 * block_bytes * 2 * u64::from(layers)
+}
+
 fn kv_geometry(card: &ModelCard, options: &ShapeOptions, capacity: u32) -> KvGeometry {
     let t = &card.thinker;
     KvGeometry {
@@ -1197,8 +1202,7 @@ impl StageWorker {
                             }
                         }
                         if let Some(h) = &self.host {
-                            let bytes =
-                                held.blocks.len() as u64 * bb * 2 * u64::from(layout.num_layers);
+                            let bytes = kv_bytes(held.blocks.len(), bb, layout.num_layers);
                             h.verify(bytes, self.pregen.is_some(), false).await;
                         }
                         m.verified(now(), found);
@@ -1673,11 +1677,9 @@ impl StageWorker {
         }
         if let Some(h) = &self.host {
             // Generated block by block (copied instead when pre-generated: a copy's cost).
-            let bytes = held.blocks.len() as u64 * bb * 2 * u64::from(layout.num_layers);
+            let bytes = kv_bytes(held.blocks.len(), bb, layout.num_layers);
             if self.pregen.is_some() {
-                h.host
-                    .run(h.cpu.work(bytes, h.cpu.spec().copy_ns_per_byte))
-                    .await;
+                h.copy_here(bytes).await;
             } else {
                 h.produce(bytes, false).await;
             }
