@@ -96,13 +96,56 @@ impl RangeAllocator {
 
 /// Overwrites `offset..offset+len` of `buffer` with [`POISON_BYTE`], so whatever a
 /// transfer does not write there cannot pass as expected bytes (stale bytes of an earlier
-/// request included). Large ranges run off the async workers.
+/// request included). For ranges of at most a few hundred KiB, or where the range's owner
+/// cannot be held (see [`poison_held`]).
 pub fn poison(buffer: &Buffer, offset: u64, len: u64) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
-    crate::stage::cpu(|| buffer.fill(offset, len, |m| m.fill(POISON_BYTE)))?;
+    crate::stage::cpu_for(len, || fill_poison(buffer, &[(offset, len)]))?;
     Ok(())
+}
+
+fn fill_poison(
+    buffer: &Buffer,
+    ranges: &[(u64, u64)],
+) -> std::result::Result<(), omnirig_transports::Error> {
+    ranges
+        .iter()
+        .filter(|r| r.1 > 0)
+        .try_for_each(|&(offset, len)| buffer.fill(offset, len, |m| m.fill(POISON_BYTE)))
+}
+
+/// [`poison`] for every `(offset, len)` range of a reservation, `held` being what keeps
+/// the ranges reserved (handed back when it drops). A large total runs on the blocking pool,
+/// once for all ranges, while this task waits: the async worker goes on running the
+/// process's other tasks. Blocking the worker in place instead (`block_in_place`) left a
+/// control message another stage's task was woken for waiting behind a KV reservation's
+/// memset: 4-5 ms of the EC handoff in one process. `held` travels with the memset and comes
+/// back with it, so a caller that gives up waiting (its future dropped) cannot hand the
+/// ranges back while poison is still being written into them.
+pub async fn poison_held<H: Send + 'static>(
+    buffer: &Buffer,
+    ranges: Vec<(u64, u64)>,
+    held: H,
+) -> Result<H> {
+    let total: u64 = ranges.iter().map(|r| r.1).sum();
+    if total <= crate::stage::IN_PLACE_BYTES || !crate::stage::multi_thread() {
+        fill_poison(buffer, &ranges)?;
+        return Ok(held);
+    }
+    let b = buffer.clone();
+    let (held, r) = tokio::task::spawn_blocking(move || {
+        let r = fill_poison(&b, &ranges);
+        (held, r)
+    })
+    .await
+    .map_err(|e| HarnessError::Pool {
+        pool: "poison".into(),
+        reason: format!("the poisoning task failed: {e}"),
+    })?;
+    r?;
+    Ok(held)
 }
 
 /// A registered buffer of one engine with an allocator over it.
@@ -172,7 +215,8 @@ impl Pool {
                 };
                 if self.poisoned {
                     // Nobody holds a grant on a free range, so the owner's write goes through.
-                    poison(&self.buffer, offset, len)?;
+                    let buffer = self.buffer.clone();
+                    return poison_held(&buffer, vec![(offset, len)], lease).await;
                 }
                 return Ok(lease);
             }
@@ -232,5 +276,62 @@ mod tests {
         a.free(z.0, z.1);
         assert_eq!((a.used(), a.live()), (0, 0));
         assert_eq!(a.alloc(10 * RANGE_ALIGN).unwrap(), (0, 10 * RANGE_ALIGN));
+    }
+
+    async fn loopback_engine(name: &str) -> Engine {
+        use omnirig_transports::{EngineConfig, TransportKind};
+        Engine::new(EngineConfig::for_kind(name, TransportKind::Loopback))
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reservation_comes_back_poisoned_over_what_the_last_one_wrote() {
+        let engine = loopback_engine("pool-test-reuse").await;
+        let pool = Pool::new_poisoned(&engine, "t", 4 << 20).unwrap();
+        let lease = pool.reserve(4 << 20, Duration::from_secs(5)).await.unwrap();
+        pool.buffer.fill(0, 4 << 20, |m| m.fill(0x5a)).unwrap();
+        drop(lease);
+        let lease = pool.reserve(4 << 20, Duration::from_secs(5)).await.unwrap();
+        let all = pool
+            .buffer
+            .view(0, 4 << 20, |b| b.iter().all(|&x| x == POISON_BYTE))
+            .unwrap();
+        assert!(all, "a reused range still holds the last request's bytes");
+        drop(lease);
+        assert_eq!(pool.usage(), (0, 0));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reservation_dropped_while_poisoning_is_handed_back_only_once_the_memset_ends() {
+        let engine = loopback_engine("pool-test-dropped").await;
+        let pool = Pool::new_poisoned(&engine, "t", 16 << 20).unwrap();
+        for round in 0..8 {
+            // Gives up at once: mostly while the 16 MiB memset runs on the blocking pool.
+            let r = tokio::time::timeout(
+                Duration::from_micros(1),
+                pool.reserve(16 << 20, Duration::from_secs(5)),
+            )
+            .await;
+            drop(r);
+            // The next owner gets the range only once that memset is over: no poison lands
+            // on what it writes.
+            let lease = pool
+                .reserve(16 << 20, Duration::from_secs(10))
+                .await
+                .unwrap();
+            pool.buffer.fill(0, 16 << 20, |m| m.fill(0x5a)).unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let kept = pool
+                .buffer
+                .view(0, 16 << 20, |b| b.iter().all(|&x| x == 0x5a))
+                .unwrap();
+            assert!(
+                kept,
+                "round {round}: a dropped reservation's poison landed on the next owner's bytes"
+            );
+            drop(lease);
+            assert_eq!(pool.usage(), (0, 0));
+        }
     }
 }

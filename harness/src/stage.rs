@@ -254,11 +254,21 @@ impl StageUsage {
 
 /// Verifications of at most this many bytes run in place: digesting a few KiB takes less
 /// than handing the worker's core to another thread (`block_in_place`).
-const IN_PLACE_BYTES: u64 = 256 << 10;
+pub(crate) const IN_PLACE_BYTES: u64 = 256 << 10;
 
 /// [`cpu`] for work on `bytes` bytes: in place when they are few.
-fn cpu_for<R>(bytes: u64, f: impl FnOnce() -> R) -> R {
+pub(crate) fn cpu_for<R>(bytes: u64, f: impl FnOnce() -> R) -> R {
     if bytes <= IN_PLACE_BYTES { f() } else { cpu(f) }
+}
+
+/// Whether this task runs on tokio's multi-thread runtime (not the sim's paused one, where
+/// work on other threads would let virtual time run on).
+pub(crate) fn multi_thread() -> bool {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    matches!(
+        Handle::try_current().map(|h| h.runtime_flavor()),
+        Ok(RuntimeFlavor::MultiThread)
+    )
 }
 
 /// Runs CPU-heavy work (generating, digesting hundreds of MiB) without
@@ -323,23 +333,23 @@ impl PagedKv {
         self.blocks.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Overwrites `blocks` of every layer's K and V with the poison byte.
-    fn poison(&self, blocks: &[u32]) -> Result<()> {
+    /// Every layer's K and V ranges of `blocks`.
+    fn block_ranges(&self, blocks: &[u32]) -> Vec<(u64, u64)> {
+        let mut ranges = Vec::new();
         for (_, id, len) in contiguous_runs(blocks) {
             for layer in 0..self.geo.num_layers {
                 for v in [false, true] {
-                    crate::pool::poison(
-                        &self.buffer,
+                    ranges.push((
                         self.geo.offset(layer, v, id),
                         u64::from(len) * self.geo.block_bytes,
-                    )?;
+                    ));
                 }
             }
         }
-        Ok(())
+        ranges
     }
 
-    async fn alloc(&self, n: usize, timeout: Duration) -> Result<Vec<u32>> {
+    async fn alloc(self: &Arc<Self>, n: usize, timeout: Duration) -> Result<Vec<u32>> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.freed.notified();
@@ -352,12 +362,15 @@ impl PagedKv {
             if let Some(b) = got {
                 // Blocks come back poisoned, every layer's K and V: a block a transfer does
                 // not fill cannot pass for the request's (evicted prefix blocks included).
-                if let Err(e) = self.poison(&b) {
-                    self.lock().release(&b);
-                    self.freed.notify_waiters();
-                    return Err(e);
-                }
-                return Ok(b);
+                // On an error, or if this future is dropped, the blocks go back once the
+                // memset is done.
+                let ranges = self.block_ranges(&b);
+                let held = AllocatedBlocks {
+                    kv: self.clone(),
+                    blocks: b,
+                };
+                let held = crate::pool::poison_held(&self.buffer, ranges, held).await?;
+                return Ok(held.keep());
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 break;
@@ -370,6 +383,27 @@ impl PagedKv {
     }
 }
 
+/// Blocks just allocated, handed back on drop unless [`kept`](AllocatedBlocks::keep).
+struct AllocatedBlocks {
+    kv: Arc<PagedKv>,
+    blocks: Vec<u32>,
+}
+
+impl AllocatedBlocks {
+    fn keep(mut self) -> Vec<u32> {
+        std::mem::take(&mut self.blocks)
+    }
+}
+
+impl Drop for AllocatedBlocks {
+    fn drop(&mut self) {
+        if !self.blocks.is_empty() {
+            self.kv.lock().release(&self.blocks);
+            self.kv.freed.notify_waiters();
+        }
+    }
+}
+
 /// Blocks a request holds (and grants over them); released on drop.
 struct KvHeld {
     kv: Arc<PagedKv>,
@@ -377,7 +411,6 @@ struct KvHeld {
     blocks: Vec<u32>,
     grants: Vec<Grant>,
 }
-
 impl Drop for KvHeld {
     fn drop(&mut self) {
         // Revoke first: no byte may land in blocks handed back.
@@ -2105,5 +2138,58 @@ fn faulty_sidecar(fault: HarnessFault, mut packet: Packet) -> Vec<u8> {
             encode(&packet)
         }
         _ => encode(&packet),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use omnirig_transports::{EngineConfig, TransportKind};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn kv_blocks_dropped_while_poisoning_go_back_only_once_the_memset_ends() {
+        let engine = Engine::new(EngineConfig::for_kind("kv-test", TransportKind::Loopback))
+            .await
+            .unwrap();
+        let geo = KvGeometry {
+            num_layers: 4,
+            capacity: 32,
+            block_bytes: 64 << 10,
+        };
+        let kv = PagedKv::new(&engine, geo, 1).unwrap();
+        let free = geo.capacity as usize - 1;
+        let all_are = |blocks: &[u32], byte: u8| {
+            kv.block_ranges(blocks).into_iter().all(|(offset, len)| {
+                kv.buffer
+                    .view(offset, len, |b| b.iter().all(|&x| x == byte))
+                    .unwrap()
+            })
+        };
+        for round in 0..8 {
+            // Gives up at once: mostly while the memset runs on the blocking pool.
+            let r = tokio::time::timeout(
+                Duration::from_micros(1),
+                kv.alloc(free, Duration::from_secs(5)),
+            )
+            .await;
+            if let Ok(Ok(done)) = r {
+                // Finished before the timer fired: the caller owns them and gives them back.
+                kv.lock().release(&done);
+            }
+            let blocks = kv.alloc(free, Duration::from_secs(10)).await.unwrap();
+            assert!(
+                all_are(&blocks, omnirig_fixtures::POISON_BYTE),
+                "round {round}: blocks handed out unpoisoned"
+            );
+            for (offset, len) in kv.block_ranges(&blocks) {
+                kv.buffer.fill(offset, len, |m| m.fill(0x5a)).unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert!(
+                all_are(&blocks, 0x5a),
+                "round {round}: a dropped allocation's poison landed on the next owner's bytes"
+            );
+            kv.lock().release(&blocks);
+        }
     }
 }
