@@ -42,6 +42,7 @@ The manifest: {"cases": [{"name", "payload": PATH, "tensors": [{"name", "dtype",
 Needs numpy and pyzmq (xxhash for the digest check): ci/baseline/setup.sh installs them.
 """
 
+import faulthandler
 import json
 import os
 import pickle
@@ -225,9 +226,33 @@ def reply(obj):
     sys.stdout.flush()
 
 
+def recv_from(sock, child, who):
+    """`sock.recv()`, or an error naming `who` if its process `child` exited meanwhile (the
+    socket's receive timeout makes the check; no cost while messages flow)."""
+    while True:
+        try:
+            return sock.recv()
+        except zmq.Again:
+            if child.poll() is not None:
+                raise RuntimeError("%s exited (status %s)" % (who, child.returncode))
+
+
+def send_to(sock, parts, copy, child, who):
+    """`sock.send_multipart(parts)`, or an error naming `who` if its process `child` exited
+    (a PAIR socket whose peer is gone blocks its sender for ever)."""
+    while True:
+        try:
+            return sock.send_multipart(parts, copy=copy)
+        except zmq.Again:
+            if child.poll() is not None:
+                raise RuntimeError("%s exited (status %s)" % (who, child.returncode))
+
+
 def driver():
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.RCVTIMEO, 1000)  # see recv_from
+    sock.setsockopt(zmq.SNDTIMEO, 1000)  # see send_to
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     child = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "receiver", "tcp://127.0.0.1:%d" % port]
@@ -243,8 +268,8 @@ def driver():
                 # Room for the largest case's pickle (the arrays plus a little framing).
                 biggest = max((sum(t["len"] for t in c["spec"]) for c in cases), default=0)
                 shm_segment(size=biggest + (1 << 20))
-                sock.send(b"L" + cmd["manifest"].encode())
-                sock.recv()
+                send_to(sock, [b"L" + cmd["manifest"].encode()], True, child, "the receiver")
+                recv_from(sock, child, "the receiver")
                 reply({"ok": True, "cases": len(cases), "xxhash": xxhash is not None})
             elif c == "hop":
                 case, mode = int(cmd["case"]), cmd["mode"]
@@ -254,10 +279,14 @@ def driver():
                     verify = i == 0
                     t = time.perf_counter()
                     parts, copy = encode(obj, mode)
-                    sock.send_multipart(
-                        [("M %s %d %d" % (mode, case, verify)).encode()] + parts, copy=copy
+                    send_to(
+                        sock,
+                        [("M %s %d %d" % (mode, case, verify)).encode()] + parts,
+                        copy,
+                        child,
+                        "the receiver",
                     )
-                    ack = sock.recv()
+                    ack = recv_from(sock, child, "the receiver")
                     dt = time.perf_counter() - t
                     if verify:
                         if ack != b"ok":
@@ -341,8 +370,26 @@ class Pipeline:
         while sent < min(concurrency, total):
             send(sent)
             sent += 1
+        # A stage that died (a crash, the OOM killer) would leave this waiting for ever: a
+        # receive that times out checks on them (no cost while messages flow).
+        self.sink.setsockopt(zmq.RCVTIMEO, 1000)
         while done < total:
-            head = self.sink.recv_multipart()[0].decode()
+            try:
+                head = self.sink.recv_multipart()[0].decode()
+            except zmq.Again:
+                dead = [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
+                if dead:
+                    # The rest would wait on the dead one for ever: end them too.
+                    for p in self.procs:
+                        if p.poll() is None:
+                            p.kill()
+                            p.wait()
+                    return {
+                        "ok": False,
+                        "error": "baseline stage %d exited (status %s) with %d of %d requests done"
+                        % (dead[0][0], dead[0][1], done, total),
+                    }
+                continue
             i = int(head.split(" ")[0][1:])
             now = time.perf_counter()
             if i == warmup:
@@ -366,6 +413,8 @@ class Pipeline:
 
 
 if __name__ == "__main__":
+    # A crash in a native extension (numpy, zmq) prints where it happened.
+    faulthandler.enable()
     if len(sys.argv) >= 2 and sys.argv[1] == "receiver":
         receiver(sys.argv[2])
     elif len(sys.argv) >= 2 and sys.argv[1] == "stage":
