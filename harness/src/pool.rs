@@ -215,8 +215,7 @@ impl Pool {
                 };
                 if self.poisoned {
                     // Nobody holds a grant on a free range, so the owner's write goes through.
-                    let buffer = self.buffer.clone();
-                    return poison_held(&buffer, vec![(offset, len)], lease).await;
+                    return poison_held(&self.buffer, vec![(offset, len)], lease).await;
                 }
                 return Ok(lease);
             }

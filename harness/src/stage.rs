@@ -275,10 +275,10 @@ pub(crate) fn multi_thread() -> bool {
 /// stalling the runtime: other requests' transfers and control messages keep
 /// moving on the remaining workers.
 pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    match Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
-        _ => f(),
+    if multi_thread() {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
     }
 }
 
@@ -411,6 +411,7 @@ struct KvHeld {
     blocks: Vec<u32>,
     grants: Vec<Grant>,
 }
+
 impl Drop for KvHeld {
     fn drop(&mut self) {
         // Revoke first: no byte may land in blocks handed back.
