@@ -736,40 +736,43 @@ async fn rdma_the_engine_logs_device_port_and_gid_per_peer() {
     });
 }
 
-/// A batch of single-slice writes to a connected rdma peer goes out as one run (its work
-/// requests chained): bit-exact. With one grant revoked in the middle, that task alone fails
-/// GrantRevoked naming it, the tasks before it completed, the ones after it (flushed when the
-/// queue pair went to ERROR) run again on their own and complete, and the revoked range is
-/// untouched. A batch canceled while it runs ends with nothing held. Reads batch the same way.
-#[cfg(feature = "rdma")]
+/// A batch of single-slice writes to a connected peer goes out as one (rdma: one run, its
+/// work requests chained; shm: groups of requests, one round trip each, 40 slices making two
+/// groups): bit-exact. With one grant revoked in the middle, that task alone fails
+/// GrantRevoked naming it, the others complete (rdma: the ones after it, flushed when the
+/// queue pair went to ERROR, run again on their own), and the revoked range is untouched. A
+/// batch canceled while it runs ends with nothing held. Reads batch the same way.
+#[rstest]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rdma_a_batch_runs_as_one_and_a_failure_names_its_task() {
-    if common::unavailable("rdma") {
+async fn a_batch_runs_as_one_and_a_failure_names_its_task(
+    #[values("shm", "rdma")] transport: &'static str,
+) {
+    if common::unavailable(transport) {
         return;
     }
-    const N: usize = 16;
+    let n: usize = if transport == "shm" { 40 } else { 16 };
     const SLOT: usize = 64 << 10;
-    let e = engines("rdma", 2).await;
+    let e = engines(transport, 2).await;
     let (a, b) = (&e[0], &e[1]);
     a.connect(b.name()).await.unwrap();
-    let src = a.allocate((N * SLOT) as u64).unwrap();
-    let dst = b.allocate((N * SLOT) as u64).unwrap();
-    dst.write(0, &vec![CANARY; N * SLOT]).unwrap();
-    let grants: Vec<_> = (0..N)
+    let src = a.allocate((n * SLOT) as u64).unwrap();
+    let dst = b.allocate((n * SLOT) as u64).unwrap();
+    dst.write(0, &vec![CANARY; n * SLOT]).unwrap();
+    let grants: Vec<_> = (0..n)
         .map(|i| {
             b.grant(&dst, (i * SLOT) as u64, SLOT as u64, Access::Write)
                 .unwrap()
         })
         .collect();
     let writes = |len: usize| -> Vec<Request> {
-        (0..N)
+        (0..n)
             .map(|i| Request::write(&src, (i * SLOT) as u64, &grants[i], 0, len as u64))
             .collect()
     };
-    let first = pattern(21, N * SLOT);
+    let first = pattern(21, n * SLOT);
     src.write(0, &first).unwrap();
     a.transfer(writes(SLOT), T).await.unwrap();
-    let mut got = vec![0u8; N * SLOT];
+    let mut got = vec![0u8; n * SLOT];
     // the region itself: the buffer's own read refuses a range under a live write grant
     dst.region().read(0, &mut got).unwrap();
     assert!(got == first, "a batched write differs");
@@ -777,7 +780,7 @@ async fn rdma_a_batch_runs_as_one_and_a_failure_names_its_task() {
     // one revoked grant in the middle of the batch
     const BAD: usize = 5;
     assert!(b.revoke(&grants[BAD]));
-    let second = pattern(22, N * SLOT);
+    let second = pattern(22, n * SLOT);
     src.write(0, &second).unwrap();
     let batch = a.submit(writes(SLOT), T).await.unwrap();
     let states = batch.wait().await;
@@ -794,7 +797,7 @@ async fn rdma_a_batch_runs_as_one_and_a_failure_names_its_task() {
     }
     drop(batch);
     dst.region().read(0, &mut got).unwrap();
-    for i in 0..N {
+    for i in 0..n {
         let (have, want) = (
             &got[i * SLOT..(i + 1) * SLOT],
             &second[i * SLOT..(i + 1) * SLOT],
@@ -834,18 +837,18 @@ async fn rdma_a_batch_runs_as_one_and_a_failure_names_its_task() {
             assert!(b.revoke(g));
         }
     }
-    let back = a.allocate((N * SLOT) as u64).unwrap();
-    let reads: Vec<_> = (0..N)
+    let back = a.allocate((n * SLOT) as u64).unwrap();
+    let reads: Vec<_> = (0..n)
         .map(|i| {
             b.grant(&dst, (i * SLOT) as u64, SLOT as u64, Access::Read)
                 .unwrap()
         })
         .collect();
-    let reqs: Vec<_> = (0..N)
+    let reqs: Vec<_> = (0..n)
         .map(|i| Request::read(&back, (i * SLOT) as u64, &reads[i], 0, SLOT as u64))
         .collect();
     a.transfer(reqs, T).await.unwrap();
-    let mut again = vec![0u8; N * SLOT];
+    let mut again = vec![0u8; n * SLOT];
     back.read(0, &mut again).unwrap();
     dst.region().read(0, &mut got).unwrap();
     assert!(again == got, "a batched read differs");
