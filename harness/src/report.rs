@@ -12,7 +12,9 @@
 //!   `reused_bytes`, `transfer_ms_p50`, `transfer_ms_p99`, `gbps` (moved bytes /
 //!   summed transfer time, 1 GB/s = 1e9 B/s), `handoff_ms_p50`, `handoff_ms_p99`,
 //!   `phases_ms_p50`, `phases_ms_p99` (each an object keyed `reserve`, `transfer`, `fence`,
-//!   `verify`, `ack`: the per-phase percentile, see [`HandoffPhases`]).
+//!   `verify`, `ack`: the per-phase percentile, see [`HandoffPhases`]), `overhead_ms_p50` and
+//!   `overhead_share_p50` (per handoff that moved bytes: handoff minus engine transfer minus
+//!   verify, p50 in ms and p50 as a share of that handoff's transfer).
 //! - `requests[]`: `id`, `label`, `ok`, `error` (the first failing stage's
 //!   error in pipeline order, naming hop, request, tensor and cause), `errors`
 //!   (every failing stage's error, `stage: error`), `e2e_ms`,
@@ -221,6 +223,14 @@ pub struct HopSummary {
     pub phases_ms_p50: HandoffPhases,
     #[serde(default)]
     pub phases_ms_p99: HandoffPhases,
+    /// Per handoff that moved bytes: what was neither its engine transfer nor its
+    /// verification (`handoff_ms - transfer_ms - phases_ms.verify`), p50 over handoffs, and
+    /// the p50 of that as a share of the same handoff's transfer (issue 14's figure: taken per
+    /// handoff, not as a ratio of p50s of different handoffs).
+    #[serde(default)]
+    pub overhead_ms_p50: f64,
+    #[serde(default)]
+    pub overhead_share_p50: f64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -286,8 +296,16 @@ impl Report {
     pub fn summarise(&mut self) {
         let e2e: Vec<f64> = self.requests.iter().map(|r| r.e2e_ms).collect();
         let ok = self.requests.iter().filter(|r| r.ok).count();
-        // transfer ms, handoff ms, moved, reused, count, phases
-        type Acc = (Vec<f64>, Vec<f64>, u64, u64, usize, Vec<HandoffPhases>);
+        // transfer ms, handoff ms, moved, reused, count, phases, (overhead ms, share)
+        type Acc = (
+            Vec<f64>,
+            Vec<f64>,
+            u64,
+            u64,
+            usize,
+            Vec<HandoffPhases>,
+            (Vec<f64>, Vec<f64>),
+        );
         let mut hops: BTreeMap<String, Acc> = BTreeMap::new();
         for r in &self.requests {
             for h in &r.hops {
@@ -298,6 +316,11 @@ impl Report {
                 e.3 += h.reused_bytes;
                 e.4 += 1;
                 e.5.push(h.phases_ms);
+                if h.moved_bytes > 0 && h.transfer_ms > 0.0 {
+                    let over = h.handoff_ms - h.transfer_ms - h.phases_ms.verify;
+                    e.6.0.push(over);
+                    e.6.1.push(over / h.transfer_ms);
+                }
             }
         }
         // Pipeline order, not alphabetical.
@@ -305,7 +328,7 @@ impl Report {
         self.hops = order
             .iter()
             .filter_map(|k| hops.get(*k).map(|v| (k, v)))
-            .map(|(k, (t, h, moved, reused, n, ph))| HopSummary {
+            .map(|(k, (t, h, moved, reused, n, ph, over))| HopSummary {
                 hop: k.to_string(),
                 transport: self.transports.get(*k).cloned().unwrap_or_default(),
                 requests: *n,
@@ -318,6 +341,8 @@ impl Report {
                 handoff_ms_p99: percentile(h, 99.0),
                 phases_ms_p50: HandoffPhases::percentile(ph, 50.0),
                 phases_ms_p99: HandoffPhases::percentile(ph, 99.0),
+                overhead_ms_p50: percentile(&over.0, 50.0),
+                overhead_share_p50: percentile(&over.1, 50.0),
             })
             .collect();
         self.summary = Summary {
@@ -397,6 +422,15 @@ impl Report {
                 p.verify,
                 p.ack
             );
+            if h.overhead_ms_p50 != 0.0 || h.overhead_share_p50 != 0.0 {
+                let _ = writeln!(
+                    out,
+                    "  {:<19} neither transfer nor verify, per handoff: p50 {:.3} ms, {:.0}% of its transfer",
+                    "",
+                    h.overhead_ms_p50,
+                    100.0 * h.overhead_share_p50
+                );
+            }
         }
         for r in self.requests.iter().filter(|r| !r.ok) {
             let _ = writeln!(
@@ -461,5 +495,57 @@ mod tests {
         assert_eq!(percentile(&v, 99.0), 99.0);
         assert_eq!(percentile(&[3.0], 99.0), 3.0);
         assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+
+    /// The overhead is taken per handoff: each of three handoffs spends 5% of its own transfer
+    /// outside transfer and verify, while the hop's p50s of handoff, transfer and verify would
+    /// make it (5.2 - 1 - 0) / 1 = 420%; a handoff that moved nothing (a cache hit) does not
+    /// count.
+    #[test]
+    fn overhead_is_per_handoff_not_a_ratio_of_p50s() {
+        let hop = |handoff: f64, transfer: f64, verify: f64, moved: u64| HopResult {
+            hop: "encoder_embeddings".into(),
+            moved_bytes: moved,
+            transfer_ms: transfer,
+            handoff_ms: handoff,
+            phases_ms: HandoffPhases {
+                verify,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let req = |h: HopResult| RequestResult {
+            ok: true,
+            hops: vec![h],
+            ..Default::default()
+        };
+        let mut r = Report {
+            report_version: 1,
+            scenario: "t".into(),
+            mode: "in_process".into(),
+            transports: BTreeMap::new(),
+            concurrency: 1,
+            wall_s: 1.0,
+            summary: Summary::default(),
+            hops: Vec::new(),
+            requests: vec![
+                req(hop(10.5, 10.0, 0.0, 1)), // 0.5 ms, 5%
+                req(hop(5.2, 4.0, 1.0, 1)),   // 0.2 ms, 5%
+                req(hop(2.05, 1.0, 1.0, 1)),  // 0.05 ms, 5%
+                req(hop(50.0, 0.0, 0.0, 0)),  // moved nothing
+            ],
+            stages: Vec::new(),
+            faults: None,
+        };
+        r.summarise();
+        let h = &r.hops[0];
+        assert!((h.overhead_share_p50 - 0.05).abs() < 1e-9, "{h:?}");
+        assert!((h.overhead_ms_p50 - 0.2).abs() < 1e-9, "{h:?}");
+        assert!(
+            r.summary_text()
+                .contains("p50 0.200 ms, 5% of its transfer"),
+            "{}",
+            r.summary_text()
+        );
     }
 }

@@ -555,6 +555,8 @@ fn run_phase_table(r: &Report) -> Table {
         ("fence", true),
         ("verify", true),
         ("ack", true),
+        ("neither, per handoff p50", true),
+        ("share of its transfer", true),
     ]);
     for h in &r.hops {
         let p = &h.phases_ms_p50;
@@ -567,6 +569,8 @@ fn run_phase_table(r: &Report) -> Table {
             time(p.fence * 1e3),
             time(p.verify * 1e3),
             time(p.ack * 1e3),
+            time(h.overhead_ms_p50 * 1e3),
+            format!("{:.0}%", 100.0 * h.overhead_share_p50),
         ]);
     }
     t
