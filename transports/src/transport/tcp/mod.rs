@@ -802,6 +802,9 @@ impl LinkShared {
     }
 }
 
+/// Longest an initiator polls for a write's reply through the owner's landing of it.
+const MAX_LANDING_SPIN: Duration = Duration::from_millis(1);
+
 /// Runs one slice on one connection. `Ok(Err(e))` is a clean refusal from the peer (the
 /// connection is still in sync and can be reused); `Err(e)` means the connection is done.
 async fn run_slice(
@@ -838,10 +841,19 @@ async fn run_slice(
             .await
             .map_err(|e| Error::io(e, "sending read request"))?,
     }
+    // A write's reply comes once the owner has read and landed the payload: poll through
+    // that too (at a conservative 1 GB/s, the loopback copy rate measured here), or the
+    // initiator parks and pays a wake-up per slice.
+    let window = match op.kind {
+        OpKind::Write => {
+            cfg.busy_poll + Duration::from_nanos(op.len).min(MAX_LANDING_SPIN)
+        }
+        OpKind::Read => cfg.busy_poll,
+    };
     let spin = if alone {
-        Spin::Thread(cfg.busy_poll)
+        Spin::Thread(window)
     } else {
-        Spin::Task(cfg.busy_poll)
+        Spin::Task(window)
     };
     let r = read_header(s, cfg.max_payload.max(op.len), spin).await?;
     if r.req_id != req {
