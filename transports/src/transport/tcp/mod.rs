@@ -845,9 +845,7 @@ async fn run_slice(
     // that too (at a conservative 1 GB/s, the loopback copy rate measured here), or the
     // initiator parks and pays a wake-up per slice.
     let window = match op.kind {
-        OpKind::Write => {
-            cfg.busy_poll + Duration::from_nanos(op.len).min(MAX_LANDING_SPIN)
-        }
+        OpKind::Write => cfg.busy_poll + Duration::from_nanos(op.len).min(MAX_LANDING_SPIN),
         OpKind::Read => cfg.busy_poll,
     };
     let spin = if alone {
