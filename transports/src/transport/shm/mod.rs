@@ -637,12 +637,7 @@ impl LinkShared {
     }
 
     async fn execute(&self, op: SliceOp) -> Result<()> {
-        let (share_id, fd, file_len) = shared_file(&op.local).map(|(i, f, l)| (i, f.as_raw_fd(), l)).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NoTransport,
-                "local buffer is not shareable (an engine with shm enabled allocates shareable buffers)",
-            )
-        })?;
+        let (share_id, fd, file_len) = share_of(&op)?;
         let _slot = self
             .slots
             .acquire()
@@ -657,39 +652,17 @@ impl LinkShared {
         let alone = self.slots.available_permits() + 1 >= self.cfg.streams.max(1);
         // If this future is dropped mid-request, `conn` drops with it, out of sync or not.
         if !conn.shared.contains(&share_id) {
-            let share = Request {
-                req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
-                ..share_request(share_id, fd, file_len)
-            };
+            let share = self.share_request(share_id, fd, file_len);
             // The fd number stays ours while `op.local` (this region) is alive, which it is.
             round_trip(&conn.stream, &share, self.cfg.busy_poll, alone).await??;
             conn.shared.insert(share_id);
         }
-        let req = Request {
-            kind: if op.kind == OpKind::Write {
-                Kind::Write
-            } else {
-                Kind::Read
-            },
-            req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
-            share_id,
-            share_offset: op.local_offset,
-            grant: op.grant,
-            grant_offset: op.grant_offset,
-            len: op.len,
-            fd: 0,
-        };
-        // The owner copies the slice before it replies: poll through the copy too (at a
-        // conservative 4 GB/s), or a parked initiator pays a wake-up per slice.
-        let spin = self.cfg.busy_poll + Duration::from_nanos(op.len / 4).min(MAX_COPY_SPIN);
+        let req = self.slice_request(&op, share_id);
+        let spin = self.copy_spin(op.len);
         let mut reply = round_trip(&conn.stream, &req, spin, alone).await?;
-        if matches!(&reply, Err(e) if e.kind() == ErrorKind::UnknownBuffer && e.detail().contains(UNMAPPED))
-        {
+        if matches!(&reply, Err(e) if is_unmapped(e)) {
             // The owner unmapped the region to make room for others: share it again, once.
-            let share = Request {
-                req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
-                ..share_request(share_id, fd, file_len)
-            };
+            let share = self.share_request(share_id, fd, file_len);
             round_trip(&conn.stream, &share, self.cfg.busy_poll, alone).await??;
             let req = Request {
                 req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
@@ -760,47 +733,26 @@ impl LinkShared {
         let mut shares = vec![0u64; n];
         let mut sharing = HashSet::new();
         for (k, op) in ops.iter().enumerate() {
-            let Some((share_id, fd, file_len)) =
-                shared_file(&op.local).map(|(i, f, l)| (i, f.as_raw_fd(), l))
-            else {
-                outcomes[k] = Some(Err(Error::new(
-                    ErrorKind::NoTransport,
-                    "local buffer is not shareable (an engine with shm enabled allocates shareable buffers)",
-                )));
-                continue;
+            let (share_id, fd, file_len) = match share_of(op) {
+                Ok(f) => f,
+                Err(e) => {
+                    outcomes[k] = Some(Err(e));
+                    continue;
+                }
             };
             shares[k] = share_id;
             if !conn.shared.contains(&share_id) && sharing.insert(share_id) {
                 // The fd number stays ours while `op.local` (this region) is alive, which
                 // it is until the group ends.
-                let share = Request {
-                    req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
-                    ..share_request(share_id, fd, file_len)
-                };
+                let share = self.share_request(share_id, fd, file_len);
                 wire.extend_from_slice(&share.encode());
                 awaited.push((share.req_id, Awaited::Share(share_id)));
             }
-            let req = Request {
-                kind: if op.kind == OpKind::Write {
-                    Kind::Write
-                } else {
-                    Kind::Read
-                },
-                req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
-                share_id,
-                share_offset: op.local_offset,
-                grant: op.grant,
-                grant_offset: op.grant_offset,
-                len: op.len,
-                fd: 0,
-            };
+            let req = self.slice_request(op, share_id);
             wire.extend_from_slice(&req.encode());
             awaited.push((req.req_id, Awaited::Slice(k)));
         }
-        // The owner copies every slice before it answers: poll through the copies (at the
-        // same conservative 4 GB/s as one slice's).
-        let bytes: u64 = ops.iter().map(|o| o.len).sum();
-        let spin = self.cfg.busy_poll + Duration::from_nanos(bytes / 4).min(MAX_COPY_SPIN);
+        let spin = self.copy_spin(ops.iter().map(|o| o.len).sum());
         // If this future is dropped mid-group, `conn` drops with it, out of sync or not.
         if let Err(e) = write_all(&conn.stream, &wire).await {
             fail_rest(&mut outcomes, &Error::io(e, "sending shm requests"));
@@ -826,12 +778,7 @@ impl LinkShared {
                 // Not mapped (a refused share, or unmapped to make room): that slice runs
                 // again on its own, which shares once more and says why if it cannot.
                 Awaited::Slice(k) => match reply {
-                    Err(e)
-                        if e.kind() == ErrorKind::UnknownBuffer
-                            && e.detail().contains(UNMAPPED) =>
-                    {
-                        again.push(k)
-                    }
+                    Err(e) if is_unmapped(&e) => again.push(k),
                     r => outcomes[k] = Some(r),
                 },
             }
@@ -849,6 +796,58 @@ impl LinkShared {
             .map(|o| o.expect("every slice answered"))
             .collect()
     }
+}
+
+impl LinkShared {
+    /// A share request for the region, with a fresh request id.
+    fn share_request(&self, share_id: u64, fd: i32, file_len: usize) -> Request {
+        Request {
+            req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
+            ..share_request(share_id, fd, file_len)
+        }
+    }
+
+    /// The request moving `op` from region `share_id`, with a fresh request id.
+    fn slice_request(&self, op: &SliceOp, share_id: u64) -> Request {
+        Request {
+            kind: if op.kind == OpKind::Write {
+                Kind::Write
+            } else {
+                Kind::Read
+            },
+            req_id: self.next_req.fetch_add(1, Ordering::Relaxed),
+            share_id,
+            share_offset: op.local_offset,
+            grant: op.grant,
+            grant_offset: op.grant_offset,
+            len: op.len,
+            fd: 0,
+        }
+    }
+
+    /// How long to poll for a reply the owner sends once it has copied `bytes`: through the
+    /// copy too (at a conservative 4 GB/s), or a parked initiator pays a wake-up each time.
+    fn copy_spin(&self, bytes: u64) -> Duration {
+        self.cfg.busy_poll + Duration::from_nanos(bytes / 4).min(MAX_COPY_SPIN)
+    }
+}
+
+/// `op`'s local region as the owner maps it: share id, this process's fd number, file size.
+fn share_of(op: &SliceOp) -> Result<(u64, i32, usize)> {
+    shared_file(&op.local)
+        .map(|(i, f, l)| (i, f.as_raw_fd(), l))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::NoTransport,
+                "local buffer is not shareable (an engine with shm enabled allocates shareable buffers)",
+            )
+        })
+}
+
+/// The owner's answer when it holds no mapping of the region (never shared, or unmapped to
+/// make room): the initiator shares it again.
+fn is_unmapped(e: &Error) -> bool {
+    e.kind() == ErrorKind::UnknownBuffer && e.detail().contains(UNMAPPED)
 }
 
 /// The request announcing a region: its memfd's number in this process and its size.
