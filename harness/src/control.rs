@@ -895,6 +895,15 @@ impl Link {
         }
     }
 
+    /// The message for `key` that has already arrived, if any; never waits (and yields
+    /// nothing while another task is receiving for `key`).
+    pub fn try_recv(&self, key: &str) -> Option<Msg> {
+        let (tx, rx) = self.inbox.queue(key);
+        drop(tx);
+        let mut rx = rx.try_lock().ok()?;
+        rx.try_recv().ok()
+    }
+
     /// The next message for `key`, waiting up to `timeout`.
     pub async fn recv(&self, key: &str, timeout: Duration) -> Result<Msg> {
         let err = |reason: String| HarnessError::Control {

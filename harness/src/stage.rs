@@ -32,10 +32,12 @@ use crate::pregen::Pregenerated;
 use crate::protocol::ec::{
     EcConsumer, EcConsumerAction, EcEntry, EcProducer, EcProducerAction, EcProducerState,
 };
-use crate::protocol::kv::{KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, kv_tensor};
+use crate::protocol::kv::{
+    KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, KvProducerState, kv_tensor,
+};
 use crate::protocol::{
     ConsumerAction, HandoffTimes, LinkEvents, PacketConsumer, PacketProducer, ProducerAction,
-    bad_reply,
+    ProducerState, bad_reply,
 };
 use crate::report::Failure;
 
@@ -1551,19 +1553,27 @@ impl StageWorker {
             self.timeout(),
         );
         let mut writes: Vec<(usize, String, Grant)> = Vec::new();
+        // A credit's reservation already here: the writes start at once and the offer
+        // leaves with the FINISH (see `HeldOffer`).
+        if m.state() == EcProducerState::Offered {
+            if let Some(msg) = link.try_recv(rid) {
+                m.handle_msg(now(), msg);
+            }
+        }
+        // Messages held until the machine has no more actions: the offer and the FINISH
+        // behind it leave in one write.
+        let mut out: Vec<Msg> = Vec::new();
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
-                    EcProducerAction::Send(msg @ Msg::Error { .. }) => {
-                        let _ = link.send(msg);
-                    }
-                    EcProducerAction::Send(msg) => link.send(msg)?,
+                    EcProducerAction::Send(msg) => out.push(msg),
                     EcProducerAction::Write {
                         index,
                         tensor,
                         grant,
                     } => writes.push((index, tensor, grant)),
                     EcProducerAction::Done => {
+                        send_held(link, &mut out)?;
                         // Everything was cached downstream: an empty transfer, now.
                         if sent.transfer_start_ms.is_none() {
                             sent.transfer_start_ms =
@@ -1571,9 +1581,14 @@ impl StageWorker {
                         }
                         return Ok(sent);
                     }
-                    EcProducerAction::Failed(e) => return Err(e),
+                    EcProducerAction::Failed(e) => {
+                        // Best effort: the handoff failed, and says why.
+                        let _ = send_held(link, &mut out);
+                        return Err(e);
+                    }
                 }
             }
+            send_held(link, &mut out)?;
             if !writes.is_empty() {
                 // Every granted entry in one engine batch.
                 let mut requests = Vec::with_capacity(writes.len());
@@ -1733,13 +1748,20 @@ impl StageWorker {
             ..Default::default()
         };
         let mut writes = Vec::new();
+        // A credit's reservation already here: the writes start at once and the offer
+        // leaves with the FINISH (see `HeldOffer`).
+        if m.state() == KvProducerState::Offered {
+            if let Some(msg) = link.try_recv(rid) {
+                m.handle_msg(now(), msg);
+            }
+        }
+        // Messages held until the machine has no more actions: the offer and the FINISH
+        // behind it leave in one write.
+        let mut out: Vec<Msg> = Vec::new();
         loop {
             while let Some(action) = m.poll_action() {
                 match action {
-                    KvProducerAction::Send(msg @ Msg::Error { .. }) => {
-                        let _ = link.send(msg);
-                    }
-                    KvProducerAction::Send(msg) => link.send(msg)?,
+                    KvProducerAction::Send(msg) => out.push(msg),
                     KvProducerAction::Write {
                         index,
                         write,
@@ -1747,10 +1769,18 @@ impl StageWorker {
                         len,
                         name,
                     } => writes.push((index, write, grant, len, name)),
-                    KvProducerAction::Done => return Ok(sent),
-                    KvProducerAction::Failed(e) => return Err(e),
+                    KvProducerAction::Done => {
+                        send_held(link, &mut out)?;
+                        return Ok(sent);
+                    }
+                    KvProducerAction::Failed(e) => {
+                        // Best effort: the handoff failed, and says why.
+                        let _ = send_held(link, &mut out);
+                        return Err(e);
+                    }
                 }
             }
+            send_held(link, &mut out)?;
             if !writes.is_empty() {
                 // Every run contiguous on both sides is one request, all in one batch.
                 let ts = now();
@@ -1839,6 +1869,13 @@ impl StageWorker {
         {
             m = m.with_sidecar(move |p| faulty_sidecar(f, p));
         }
+        // A credit's reservation already here: the writes start at once and the offer
+        // leaves with the packet (see `HeldOffer`).
+        if m.state() == ProducerState::Offered {
+            if let Some(msg) = link.try_recv(rid) {
+                m.handle_msg(now(), msg);
+            }
+        }
         let mut writes: Vec<(usize, Grant)> = Vec::new();
         // Messages held until the machine has no more actions, so an offer and the inline
         // packet right behind it leave in one write.
@@ -1882,7 +1919,8 @@ impl StageWorker {
                         return Ok(sent);
                     }
                     ProducerAction::Failed(e) => {
-                        send_held(link, &mut out)?;
+                        // Best effort: the handoff failed, and says why.
+                        let _ = send_held(link, &mut out);
                         return Err(e);
                     }
                 }

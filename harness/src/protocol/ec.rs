@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use omnirig_fixtures::{Digest128, PayloadKind, TensorSpec};
 use omnirig_transports::Grant;
 
-use super::{Credit, HandoffTimes, bad_reply, micros_since};
+use super::{Credit, HandoffTimes, HeldOffer, bad_reply, micros_since};
 use crate::control::{Msg, NamedDigest};
 use crate::ec::EcSlot;
 use crate::error::{Cause, Classified, FailureKind, HarnessError};
@@ -415,8 +415,9 @@ pub struct EcProducer {
     timeout: Duration,
     state: EcProducerState,
     deadline: Option<Instant>,
-    /// When the offer went out: replies say how long after it they come.
+    /// When the outputs existed (the offer's time): replies say how long after it they come.
     offered_at: Instant,
+    offer: HeldOffer,
     /// The entries to move, in the reservation's order.
     names: Vec<String>,
     digests: Vec<Option<Digest128>>,
@@ -436,7 +437,7 @@ impl EcProducer {
         tensors: Vec<TensorSpec>,
         timeout: Duration,
     ) -> Self {
-        let mut p = Self {
+        Self {
             kind,
             rid: rid.into(),
             tensors,
@@ -444,6 +445,7 @@ impl EcProducer {
             state: EcProducerState::Offered,
             deadline: Some(now + timeout),
             offered_at: now,
+            offer: HeldOffer::new(rid),
             names: vec![],
             digests: vec![],
             in_flight: vec![],
@@ -451,11 +453,19 @@ impl EcProducer {
             withdrawn: None,
             stale: 0,
             actions: VecDeque::new(),
-        };
-        p.actions.push_back(EcProducerAction::Send(Msg::Offer {
-            request: rid.into(),
-        }));
-        p
+        }
+    }
+
+    /// Queues the offer if it has not left yet (see [`HeldOffer`]).
+    fn release_offer(&mut self) {
+        if let Some(m) = self.offer.take() {
+            self.actions.push_back(EcProducerAction::Send(m));
+        }
+    }
+
+    /// Whether the offer has left (see [`HeldOffer`]).
+    pub fn offer_sent(&self) -> bool {
+        self.offer.sent()
     }
 
     pub fn state(&self) -> EcProducerState {
@@ -467,7 +477,11 @@ impl EcProducer {
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.deadline
     }
+    /// The next action; the offer once nothing is left to do but wait for the reservation.
     pub fn poll_action(&mut self) -> Option<EcProducerAction> {
+        if self.actions.is_empty() && self.state == EcProducerState::Offered {
+            self.release_offer();
+        }
         self.actions.pop_front()
     }
 
@@ -486,6 +500,7 @@ impl EcProducer {
         self.deadline = None;
         self.state = EcProducerState::Failed;
         if tell {
+            self.release_offer();
             self.actions.push_back(EcProducerAction::Send(Msg::Error {
                 request: self.rid.clone(),
                 failed,
@@ -655,6 +670,7 @@ impl EcProducer {
             });
         }
         self.state = EcProducerState::Announced;
+        self.release_offer();
         self.actions.push_back(EcProducerAction::Send(Msg::Finish {
             request: self.rid.clone(),
             writing_us: micros_since(self.offered_at, now),
@@ -733,59 +749,64 @@ mod tests {
         }
 
         fn pump(&mut self) {
-            loop {
-                let mut any = false;
-                while let Some(a) = self.consumer.poll_action() {
-                    any = true;
-                    match a {
-                        EcConsumerAction::Reserve => {
-                            let entries: Vec<EcEntry> = tensors()
-                                .iter()
-                                .enumerate()
-                                .map(|(i, t)| {
-                                    let offset = i as u64 * 4096;
-                                    EcEntry {
-                                        mm_hash: format!("h{i}"),
-                                        tensor: t.name.clone(),
-                                        offset,
-                                        len: t.byte_length,
-                                        grant: (!self.cached.contains(&t.name.as_str()))
-                                            .then(|| grant(offset, t.byte_length)),
-                                    }
-                                })
-                                .collect();
-                            let made = entries.iter().filter_map(|e| e.grant.clone()).collect();
-                            self.consumer.granted(self.now, made, entries);
-                        }
-                        EcConsumerAction::Send(m) => self.to_producer.push(m),
-                        EcConsumerAction::Revoke(g) => {
-                            self.revoked.extend(g);
-                            self.consumer.fenced(self.now);
-                        }
-                        EcConsumerAction::Verify { index, tensor, .. } => {
-                            self.verify.push((index, tensor))
-                        }
-                        EcConsumerAction::Cache { mm_hash } => self.cache.push(mm_hash),
-                        EcConsumerAction::Done => self.consumer_end = Some(Ok(())),
-                        EcConsumerAction::Failed(e) => self.consumer_end = Some(Err(e)),
+            while self.pump_consumer() | self.pump_producer() {}
+        }
+
+        fn pump_consumer(&mut self) -> bool {
+            let mut any = false;
+            while let Some(a) = self.consumer.poll_action() {
+                any = true;
+                match a {
+                    EcConsumerAction::Reserve => {
+                        let entries: Vec<EcEntry> = tensors()
+                            .iter()
+                            .enumerate()
+                            .map(|(i, t)| {
+                                let offset = i as u64 * 4096;
+                                EcEntry {
+                                    mm_hash: format!("h{i}"),
+                                    tensor: t.name.clone(),
+                                    offset,
+                                    len: t.byte_length,
+                                    grant: (!self.cached.contains(&t.name.as_str()))
+                                        .then(|| grant(offset, t.byte_length)),
+                                }
+                            })
+                            .collect();
+                        let made = entries.iter().filter_map(|e| e.grant.clone()).collect();
+                        self.consumer.granted(self.now, made, entries);
                     }
-                }
-                while let Some(a) = self.producer.poll_action() {
-                    any = true;
-                    match a {
-                        EcProducerAction::Send(m) => self.to_consumer.push(m),
-                        EcProducerAction::Write { index, tensor, .. } => {
-                            self.producer.staged(index, digest_of(&tensor));
-                            self.writes.push((index, tensor));
-                        }
-                        EcProducerAction::Done => self.producer_end = Some(Ok(())),
-                        EcProducerAction::Failed(e) => self.producer_end = Some(Err(e)),
+                    EcConsumerAction::Send(m) => self.to_producer.push(m),
+                    EcConsumerAction::Revoke(g) => {
+                        self.revoked.extend(g);
+                        self.consumer.fenced(self.now);
                     }
-                }
-                if !any {
-                    break;
+                    EcConsumerAction::Verify { index, tensor, .. } => {
+                        self.verify.push((index, tensor))
+                    }
+                    EcConsumerAction::Cache { mm_hash } => self.cache.push(mm_hash),
+                    EcConsumerAction::Done => self.consumer_end = Some(Ok(())),
+                    EcConsumerAction::Failed(e) => self.consumer_end = Some(Err(e)),
                 }
             }
+            any
+        }
+
+        fn pump_producer(&mut self) -> bool {
+            let mut any = false;
+            while let Some(a) = self.producer.poll_action() {
+                any = true;
+                match a {
+                    EcProducerAction::Send(m) => self.to_consumer.push(m),
+                    EcProducerAction::Write { index, tensor, .. } => {
+                        self.producer.staged(index, digest_of(&tensor));
+                        self.writes.push((index, tensor));
+                    }
+                    EcProducerAction::Done => self.producer_end = Some(Ok(())),
+                    EcProducerAction::Failed(e) => self.producer_end = Some(Err(e)),
+                }
+            }
+            any
         }
 
         fn deliver(&mut self) {
@@ -831,6 +852,44 @@ mod tests {
                 other => panic!("consumer did not fail: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_credit_already_there_starts_the_writes_and_the_offer_leaves_with_the_finish() {
+        let mut p = Pair::new(vec!["embed.image.1"]);
+        // The credit reaches the encoder before it looks at its link.
+        p.consumer.credit(p.now, Duration::from_secs(30));
+        p.pump_consumer();
+        for m in std::mem::take(&mut p.to_producer) {
+            p.producer.handle_msg(p.now, m);
+        }
+        p.pump();
+        assert_eq!(p.producer.state(), EcProducerState::Writing);
+        assert_eq!(p.writes.len(), 2, "the uncached entries, written at once");
+        assert!(p.to_consumer.is_empty(), "nothing wakes prefill mid-write");
+        assert!(!p.producer.offer_sent());
+        p.now += Duration::from_millis(2);
+        p.complete_writes();
+        assert!(
+            matches!(
+                p.to_consumer.as_slice(),
+                [
+                    Msg::Offer { .. },
+                    Msg::Finish {
+                        writing_us: 2000,
+                        ..
+                    }
+                ]
+            ),
+            "{:?}",
+            p.to_consumer
+        );
+        p.deliver();
+        assert_eq!(p.revoked.len(), 2, "the fence revokes the credit's grants");
+        p.verify_all(None);
+        assert!(matches!(p.consumer_end, Some(Ok(()))));
+        assert_eq!(p.cache, ["h0", "h2"]);
+        assert_eq!(p.consumer.times().transfer(), Duration::from_millis(2));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use omnirig_fixtures::{KvLayout, PayloadKind};
 use omnirig_transports::Grant;
 
-use super::{Credit, HandoffTimes, bad_reply, micros_since};
+use super::{Credit, HandoffTimes, HeldOffer, bad_reply, micros_since};
 use crate::control::Msg;
 use crate::error::{Cause, Classified, FailureKind, HarnessError};
 use crate::kv::{KvGrant, KvReservation, KvWrite, contiguous_runs, plan_kv_writes};
@@ -433,8 +433,9 @@ pub struct KvProducer {
     timeout: Duration,
     state: KvProducerState,
     deadline: Option<Instant>,
-    /// When the offer went out: replies say how long after it they come.
+    /// When the outputs existed (the offer's time): replies say how long after it they come.
     offered_at: Instant,
+    offer: HeldOffer,
     names: Vec<String>,
     in_flight: Vec<bool>,
     written: Vec<bool>,
@@ -454,7 +455,7 @@ impl KvProducer {
         block_bytes: u64,
         timeout: Duration,
     ) -> Self {
-        let mut p = Self {
+        Self {
             kind,
             rid: rid.into(),
             src_blocks,
@@ -464,17 +465,26 @@ impl KvProducer {
             state: KvProducerState::Offered,
             deadline: Some(now + timeout),
             offered_at: now,
+            offer: HeldOffer::new(rid),
             names: vec![],
             in_flight: vec![],
             written: vec![],
             withdrawn: None,
             stale: 0,
             actions: VecDeque::new(),
-        };
-        p.actions.push_back(KvProducerAction::Send(Msg::Offer {
-            request: rid.into(),
-        }));
-        p
+        }
+    }
+
+    /// Queues the offer if it has not left yet (see [`HeldOffer`]).
+    fn release_offer(&mut self) {
+        if let Some(m) = self.offer.take() {
+            self.actions.push_back(KvProducerAction::Send(m));
+        }
+    }
+
+    /// Whether the offer has left (see [`HeldOffer`]).
+    pub fn offer_sent(&self) -> bool {
+        self.offer.sent()
     }
 
     pub fn state(&self) -> KvProducerState {
@@ -486,7 +496,11 @@ impl KvProducer {
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.deadline
     }
+    /// The next action; the offer once nothing is left to do but wait for the reservation.
     pub fn poll_action(&mut self) -> Option<KvProducerAction> {
+        if self.actions.is_empty() && self.state == KvProducerState::Offered {
+            self.release_offer();
+        }
         self.actions.pop_front()
     }
 
@@ -506,6 +520,7 @@ impl KvProducer {
         self.deadline = None;
         self.state = KvProducerState::Failed;
         if tell {
+            self.release_offer();
             self.actions.push_back(KvProducerAction::Send(Msg::Error {
                 request: self.rid.clone(),
                 failed,
@@ -651,6 +666,7 @@ impl KvProducer {
             return;
         }
         self.state = KvProducerState::Announced;
+        self.release_offer();
         self.actions.push_back(KvProducerAction::Send(Msg::Finish {
             request: self.rid.clone(),
             writing_us: micros_since(self.offered_at, now),
@@ -728,44 +744,49 @@ mod tests {
 
         /// Carries out every queued action (writes are recorded, not completed).
         fn pump(&mut self) {
-            loop {
-                let mut any = false;
-                while let Some(a) = self.consumer.poll_action() {
-                    any = true;
-                    match a {
-                        KvConsumerAction::Reserve => {
-                            let (f, t) = self.blocks.clone();
-                            self.consumer.blocks(f, t, vec![]);
-                        }
-                        KvConsumerAction::Grant(runs) => {
-                            let g: Vec<Grant> = runs.iter().map(grant).collect();
-                            self.consumer.granted(self.now, g.clone(), g);
-                        }
-                        KvConsumerAction::Send(m) => self.to_producer.push(m),
-                        KvConsumerAction::Revoke(g) => {
-                            self.revoked.extend(g);
-                            self.consumer.fenced(self.now);
-                        }
-                        KvConsumerAction::Verify => self.verifies += 1,
-                        KvConsumerAction::Done => self.consumer_end = Some(Ok(())),
-                        KvConsumerAction::Failed(e) => self.consumer_end = Some(Err(e)),
+            while self.pump_consumer() | self.pump_producer() {}
+        }
+
+        fn pump_consumer(&mut self) -> bool {
+            let mut any = false;
+            while let Some(a) = self.consumer.poll_action() {
+                any = true;
+                match a {
+                    KvConsumerAction::Reserve => {
+                        let (f, t) = self.blocks.clone();
+                        self.consumer.blocks(f, t, vec![]);
                     }
-                }
-                while let Some(a) = self.producer.poll_action() {
-                    any = true;
-                    match a {
-                        KvProducerAction::Send(m) => self.to_consumer.push(m),
-                        KvProducerAction::Write {
-                            index, write, name, ..
-                        } => self.writes.push((index, write, name)),
-                        KvProducerAction::Done => self.producer_end = Some(Ok(())),
-                        KvProducerAction::Failed(e) => self.producer_end = Some(Err(e)),
+                    KvConsumerAction::Grant(runs) => {
+                        let g: Vec<Grant> = runs.iter().map(grant).collect();
+                        self.consumer.granted(self.now, g.clone(), g);
                     }
-                }
-                if !any {
-                    break;
+                    KvConsumerAction::Send(m) => self.to_producer.push(m),
+                    KvConsumerAction::Revoke(g) => {
+                        self.revoked.extend(g);
+                        self.consumer.fenced(self.now);
+                    }
+                    KvConsumerAction::Verify => self.verifies += 1,
+                    KvConsumerAction::Done => self.consumer_end = Some(Ok(())),
+                    KvConsumerAction::Failed(e) => self.consumer_end = Some(Err(e)),
                 }
             }
+            any
+        }
+
+        fn pump_producer(&mut self) -> bool {
+            let mut any = false;
+            while let Some(a) = self.producer.poll_action() {
+                any = true;
+                match a {
+                    KvProducerAction::Send(m) => self.to_consumer.push(m),
+                    KvProducerAction::Write {
+                        index, write, name, ..
+                    } => self.writes.push((index, write, name)),
+                    KvProducerAction::Done => self.producer_end = Some(Ok(())),
+                    KvProducerAction::Failed(e) => self.producer_end = Some(Err(e)),
+                }
+            }
+            any
         }
 
         /// Delivers every message in flight, both ways.
@@ -824,6 +845,45 @@ mod tests {
         assert!(lens.iter().all(|&l| l == 3 || l == 2), "{lens:?}");
         // Every grant made was revoked at the fence.
         assert_eq!(p.revoked.len(), 2 * 2 * LAYERS as usize);
+    }
+
+    #[test]
+    fn a_credit_already_there_starts_the_writes_and_the_offer_leaves_with_the_finish() {
+        let mut p = Pair::new(0, vec![1, 2, 3, 8, 9]);
+        // Decode's credit reaches prefill before prefill looks at its link.
+        p.consumer.credit(p.now, Duration::from_secs(30));
+        p.pump_consumer();
+        for m in std::mem::take(&mut p.to_producer) {
+            p.producer.handle_msg(p.now, m);
+        }
+        p.pump();
+        assert_eq!(p.producer.state(), KvProducerState::Writing);
+        assert_eq!(p.writes.len(), 2 * 2 * LAYERS as usize);
+        assert!(p.to_consumer.is_empty(), "nothing wakes decode mid-write");
+        assert!(!p.producer.offer_sent());
+        p.now += Duration::from_millis(7);
+        p.complete_writes();
+        assert!(
+            matches!(
+                p.to_consumer.as_slice(),
+                [
+                    Msg::Offer { .. },
+                    Msg::Finish {
+                        writing_us: 7000,
+                        ..
+                    }
+                ]
+            ),
+            "{:?}",
+            p.to_consumer
+        );
+        p.deliver();
+        assert_eq!(p.revoked.len(), 2 * 2 * LAYERS as usize);
+        assert_eq!(p.verifies, 1);
+        p.consumer.verified(p.now, Ok(()));
+        p.pump();
+        assert!(matches!(p.consumer_end, Some(Ok(()))));
+        assert_eq!(p.consumer.times().transfer(), Duration::from_millis(7));
     }
 
     #[test]
