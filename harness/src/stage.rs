@@ -1553,13 +1553,8 @@ impl StageWorker {
             self.timeout(),
         );
         let mut writes: Vec<(usize, String, Grant)> = Vec::new();
-        // A credit's reservation already here: the writes start at once and the offer
-        // leaves with the FINISH (see `HeldOffer`).
-        if m.state() == EcProducerState::Offered {
-            if let Some(msg) = link.try_recv(rid) {
-                m.handle_msg(now(), msg);
-            }
-        }
+        let waiting = m.state() == EcProducerState::Offered;
+        take_credit(link, rid, &mut m, waiting);
         // Messages held until the machine has no more actions: the offer and the FINISH
         // behind it leave in one write.
         let mut out: Vec<Msg> = Vec::new();
@@ -1748,13 +1743,8 @@ impl StageWorker {
             ..Default::default()
         };
         let mut writes = Vec::new();
-        // A credit's reservation already here: the writes start at once and the offer
-        // leaves with the FINISH (see `HeldOffer`).
-        if m.state() == KvProducerState::Offered {
-            if let Some(msg) = link.try_recv(rid) {
-                m.handle_msg(now(), msg);
-            }
-        }
+        let waiting = m.state() == KvProducerState::Offered;
+        take_credit(link, rid, &mut m, waiting);
         // Messages held until the machine has no more actions: the offer and the FINISH
         // behind it leave in one write.
         let mut out: Vec<Msg> = Vec::new();
@@ -1869,13 +1859,8 @@ impl StageWorker {
         {
             m = m.with_sidecar(move |p| faulty_sidecar(f, p));
         }
-        // A credit's reservation already here: the writes start at once and the offer
-        // leaves with the packet (see `HeldOffer`).
-        if m.state() == ProducerState::Offered {
-            if let Some(msg) = link.try_recv(rid) {
-                m.handle_msg(now(), msg);
-            }
-        }
+        let waiting = m.state() == ProducerState::Offered;
+        take_credit(link, rid, &mut m, waiting);
         let mut writes: Vec<(usize, Grant)> = Vec::new();
         // Messages held until the machine has no more actions, so an offer and the inline
         // packet right behind it leave in one write.
@@ -2108,6 +2093,15 @@ impl StageWorker {
             });
         }
         u
+    }
+}
+
+/// Feeds a producer that waits for its reservation (`waiting`) the credit's reservation if it
+/// is already here: its writes then start at once, and its offer leaves with the reply
+/// (see [`crate::protocol::HeldOffer`]).
+fn take_credit(link: &Link, rid: &str, m: &mut impl LinkEvents, waiting: bool) {
+    if waiting && let Some(msg) = link.try_recv(rid) {
+        m.handle_msg(now(), msg);
     }
 }
 
