@@ -99,9 +99,10 @@ async fn bytes_are_exact_and_virtual_time_follows_the_model() {
     let a = engine(&f, &store, "a").await;
     let c = engine(&f, &store, "c").await;
     // 8 MiB at 1 byte/ns through the 8 Gb/s link (NICs are faster): 8 Mi ns on the wire,
-    // the last slice lands 12 us (link + both NICs) after it leaves.
+    // the last slice lands 12 us (link + both NICs) after it leaves, and its acknowledgement
+    // takes 12 us back.
     let took = write(&f, &a, &c, 8 * MIB, 1).await;
-    let expect = 8 * MIB + 12_000; // ns
+    let expect = 8 * MIB + 12_000 + 12_000; // ns
     // Wake-ups land on the next whole tokio ms: one modelled us at this scale.
     assert!(
         (expect..expect + 1000).contains(&took),
@@ -153,6 +154,32 @@ async fn reads_cross_the_route_back() {
     back.read(0, &mut got).unwrap();
     assert!(got == data);
     assert!(f.usage().iter().any(|q| q.queue == "c>a" && q.bytes == len));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_small_write_or_read_costs_a_round_trip_of_latency() {
+    let f = fabric();
+    let store = InProcessStore::new();
+    let a = engine(&f, &store, "a").await;
+    let c = engine(&f, &store, "c").await;
+    // 8 bytes: 12 us to land (link + both NICs), 12 us for the answer back.
+    let took = write(&f, &a, &c, 8, 3).await;
+    assert!((24_000..25_100).contains(&took), "write took {took} ns");
+    let src = c.allocate(8).unwrap();
+    src.write(0, &[7; 8]).unwrap();
+    let g = c.grant(&src, 0, 8, Access::Read).unwrap();
+    let back = a.allocate(8).unwrap();
+    let t = f.now_ns();
+    a.transfer(vec![Request::read(&back, 0, &g, 0, 8)], None)
+        .await
+        .unwrap();
+    let took = f.now_ns() - t;
+    assert!((24_000..25_100).contains(&took), "read took {took} ns");
+    c.revoke(&g);
+    let mut got = [0u8; 8];
+    back.read(0, &mut got).unwrap();
+    assert_eq!(got, [7; 8]);
+    assert_idle(&a).await;
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

@@ -4,7 +4,9 @@
 //! Every resource a byte crosses (a NIC's send side, a link's direction, a NIC's receive side,
 //! a node's local copy path) is one FIFO queue with a bandwidth. A slice of `n` bytes waits
 //! until every queue on its path is free, holds each for `n / bandwidth` of that queue, and
-//! lands after the slowest of them plus the path's latency (and seeded jitter). Concurrent
+//! lands after the slowest of them plus the path's latency (and seeded jitter); a write
+//! completes one return latency later (its acknowledgement), a read's data leaves one request
+//! latency after it was asked for. Concurrent
 //! transfers that share a NIC or a link therefore queue behind each other, which is what makes
 //! links saturate in the model as they do on hardware.
 //!
@@ -315,6 +317,14 @@ pub struct Route {
     latency_ns: u64,
     /// For the trace: `n0>n1`.
     pub label: Arc<str>,
+}
+
+impl Route {
+    /// The route's one-way latency: what an answer (a write's acknowledgement, a read's
+    /// request) takes across it.
+    pub fn latency_ns(&self) -> u64 {
+        self.latency_ns
+    }
 }
 
 /// How busy one queue was over a run.

@@ -170,14 +170,20 @@ impl Link for SimLink {
 
     fn execute(&self, op: SliceOp) -> BoxFuture<'static, Result<()>> {
         let fabric = self.fabric.clone();
-        let route = match op.kind {
-            crate::transport::OpKind::Write => self.route.clone(),
-            crate::transport::OpKind::Read => self.back.clone(),
+        // The bytes cross one way; the other way carries the answer that completes a write
+        // (the RDMA ACK, the tcp owner's reply) or the request that starts a read. Either
+        // way a slice costs a round trip's latency, as on the wire.
+        let write = matches!(op.kind, crate::transport::OpKind::Write);
+        let (route, answer_ns) = if write {
+            (self.route.clone(), self.back.latency_ns())
+        } else {
+            (self.back.clone(), self.route.latency_ns())
         };
         let (peer, name, owner) = (self.peer.clone(), self.name.clone(), self.owner.clone());
         Box::pin(async move {
             let now = fabric.now_ns();
-            let lands = fabric.reserve(&route, op.len, now);
+            let leaves = if write { now } else { now + answer_ns };
+            let lands = fabric.reserve(&route, op.len, leaves);
             let what = format!(
                 "{owner} {} {} tag={:016x} at={} len={}",
                 op.kind, route.label, op.tag, op.request_offset, op.len
@@ -191,6 +197,10 @@ impl Link for SimLink {
                 Err(e) => format!("refused {:?}", e.kind()),
             };
             fabric.event(fabric.now_ns(), format!("landed {what} {outcome}"));
+            if write && r.is_ok() {
+                // Landed; the initiator learns it when the acknowledgement is back.
+                tokio::time::sleep_until(fabric.instant(lands + answer_ns)).await;
+            }
             r
         })
     }
