@@ -169,6 +169,21 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
     assert_eq!(json["predictions"][0]["ok"], 3);
     assert!(!json["comparison"].as_array().unwrap().is_empty());
     assert!(out.join("predicted_vs_measured.svg").exists());
+    // The answer's plots: every hop and end to end against concurrency, and the busiest
+    // queue's utilisation.
+    let latency = std::fs::read_to_string(out.join("latency_vs_concurrency.svg")).unwrap();
+    for label in ["kv_cache handoff p50", "end to end p50"] {
+        assert!(
+            latency.contains(label),
+            "{label} missing from the latency plot"
+        );
+    }
+    let busiest = json["predictions"][0]["busiest"][0][0].as_str().unwrap();
+    let utilisation = std::fs::read_to_string(out.join("utilisation_vs_concurrency.svg")).unwrap();
+    assert!(
+        utilisation.contains(busiest),
+        "{busiest} missing from the utilisation plot"
+    );
     let o = omnirig(&["simulate", "--concurrency", "0,4"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("--concurrency: \"0\""), "{}", text(&o));

@@ -336,6 +336,128 @@ fn plot(cmp: &[Comparison], path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The scale model's answer as two plots: each hop's handoff p50 and the end-to-end p50
+/// against concurrency (log-log), and the busiest fabric queue's utilisation against
+/// concurrency (where the links saturate).
+fn plot_levels(preds: &[Prediction], latency: &Path, utilisation: &Path) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    if preds.is_empty() {
+        return Ok(());
+    }
+    crate::report::plot::register_font();
+    let cmin = preds.iter().map(|p| p.concurrency).min().unwrap_or(1) as f64;
+    let cmax = preds.iter().map(|p| p.concurrency).max().unwrap_or(1) as f64;
+    let (x0, x1) = (cmin / 1.5, cmax * 1.5);
+    let mut names: Vec<&str> = Vec::new();
+    for p in preds {
+        for h in &p.hops {
+            if !names.contains(&h.hop.as_str()) {
+                names.push(&h.hop);
+            }
+        }
+    }
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = names
+        .iter()
+        .map(|&n| {
+            let pts = preds
+                .iter()
+                .filter_map(|p| {
+                    let h = p.hops.iter().find(|h| h.hop == n)?;
+                    Some((p.concurrency as f64, h.handoff_ms_p50))
+                })
+                .collect();
+            (format!("{n} handoff p50"), pts)
+        })
+        .collect();
+    series.push((
+        "end to end p50".into(),
+        preds
+            .iter()
+            .map(|p| (p.concurrency as f64, p.e2e_ms_p50))
+            .collect(),
+    ));
+    let ys = series.iter().flat_map(|(_, v)| v.iter().map(|&(_, y)| y));
+    let lo = ys
+        .clone()
+        .filter(|&y| y > 0.0)
+        .fold(f64::INFINITY, f64::min)
+        .min(1.0)
+        / 2.0;
+    // Headroom above the end-to-end line for the legend.
+    let hi = ys.fold(0.0, f64::max).max(lo * 4.0) * 40.0;
+    let root = SVGBackend::new(latency, (760, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("simulate: latency against concurrency", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((x0..x1).log_scale(), (lo..hi).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("requests in flight")
+        .y_desc("p50, ms")
+        .draw()?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let color = if name.starts_with("end to end") {
+            BLACK.to_rgba()
+        } else {
+            Palette99::pick(i).to_rgba()
+        };
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color.stroke_width(2)));
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+
+    let root = SVGBackend::new(utilisation, (760, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let busiest: Vec<(f64, f64, &str)> = preds
+        .iter()
+        .filter_map(|p| {
+            let (q, u) = p.busiest.first()?;
+            Some((p.concurrency as f64, u * 100.0, q.as_str()))
+        })
+        .collect();
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "simulate: busiest fabric queue against concurrency",
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        // Room on the right for the last level's label.
+        .build_cartesian_2d((x0..x1 * 2.0).log_scale(), 0.0..100.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("requests in flight")
+        .y_desc("utilisation, %")
+        .draw()?;
+    chart.draw_series(LineSeries::new(
+        busiest.iter().map(|&(c, u, _)| (c, u)),
+        RED.stroke_width(2),
+    ))?;
+    for &(c, u, q) in &busiest {
+        chart.draw_series([Circle::new((c, u), 4, RED.filled())])?;
+        chart.draw_series([Text::new(
+            format!("{q} {u:.0}%"),
+            (c, u + 3.0),
+            ("sans-serif", 12),
+        )])?;
+    }
+    root.present()?;
+    Ok(())
+}
+
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     if args.calibrate_cpu {
         return calibrate(&args);
@@ -429,6 +551,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         })?;
         std::fs::write(dir.join("simulate.json"), json)?;
         std::fs::write(dir.join("simulate.md"), &md)?;
+        plot_levels(
+            &preds,
+            &dir.join("latency_vs_concurrency.svg"),
+            &dir.join("utilisation_vs_concurrency.svg"),
+        )?;
         if !cmp.is_empty() {
             plot(&cmp, &dir.join("predicted_vs_measured.svg"))?;
         }
