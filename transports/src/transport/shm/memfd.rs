@@ -176,16 +176,27 @@ impl PeerMemory {
                 ),
             ));
         }
-        let size = file
+        let meta = file
             .metadata()
-            .map_err(|e| Error::new(ErrorKind::Resource, format!("stat peer memory: {e}")))?
-            .len();
+            .map_err(|e| Error::new(ErrorKind::Resource, format!("stat peer memory: {e}")))?;
+        let size = meta.len();
         if size < len as u64 {
             return Err(Error::new(
                 ErrorKind::Malformed,
                 format!("peer memory is {size} bytes, {len} announced"),
             ));
         }
+        // Every page of a peer's region exists (its owner populated the memfd when it made
+        // it): mapping them all now takes the page-table work out of the copies, where it
+        // cost a fault per 64 KiB (Thinker -> Talker's 956 KiB over shm: engine transfer
+        // 0.65 -> 0.46 ms). A file with holes is mapped lazily: populating it would allocate
+        // memory here that the peer never did.
+        let allocated = std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512);
+        let populate = if allocated >= len as u64 {
+            libc::MAP_POPULATE
+        } else {
+            0
+        };
         // SAFETY: a new shared mapping of `len` bytes of a file at least that long, sealed so
         // it stays that long; the descriptor may close afterwards (the mapping keeps the file).
         let base = unsafe {
@@ -193,7 +204,7 @@ impl PeerMemory {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | populate,
                 fd,
                 0,
             )

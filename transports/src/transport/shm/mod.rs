@@ -1059,6 +1059,46 @@ mod tests {
         }
     }
 
+    /// A peer region with holes is mapped lazily: populating it would allocate here what the
+    /// peer never did. Its pages come into being only as they are copied.
+    #[test]
+    fn a_peer_file_with_holes_maps_without_allocating() {
+        use crate::memory::Region;
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::os::unix::fs::MetadataExt;
+        let len = 64 << 20;
+        // SAFETY: plain system calls on a descriptor this test creates and owns.
+        let fd = unsafe {
+            let raw = libc::memfd_create(
+                c"omnirig-sparse".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            );
+            assert!(raw >= 0, "memfd_create");
+            let fd = OwnedFd::from_raw_fd(raw);
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+            assert_eq!(
+                libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
+                0
+            );
+            fd
+        };
+        let path = std::path::PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            fd.as_raw_fd()
+        ));
+        let blocks = || std::fs::metadata(&path).unwrap().blocks();
+        assert_eq!(blocks(), 0, "a fresh memfd has no pages");
+        let m = PeerMemory::map(&path, len).unwrap();
+        assert_eq!(blocks(), 0, "mapping a file with holes allocated its pages");
+        let dst = Region::allocate(4096, false).unwrap();
+        m.copy_into(0, &dst, 0, 4096).unwrap();
+        assert!(
+            blocks() * 512 < len as u64 / 2,
+            "only what was copied exists"
+        );
+    }
+
     #[test]
     fn peer_memory_refuses_unsealed_and_short_files() {
         use crate::memory::Region;
