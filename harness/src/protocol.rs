@@ -10,7 +10,8 @@
 //! tested here by hand, without sockets or sleeps.
 //!
 //! The protocol, consumer-driven:
-//! 1. producer -> consumer `Offer` (its outputs exist);
+//! 1. producer -> consumer `Offer` (its outputs exist; with a credit already granted it
+//!    leaves with step 4's message instead, see [`HeldOffer`]);
 //! 2. the consumer reserves a destination per tensor and grants it: `StageReserve`;
 //! 3. the producer stages and writes every tensor;
 //! 4. only once every write completed: producer -> consumer `Packet` (packet v1 sidecar), or

@@ -2,7 +2,8 @@
 //! style of the stage-packet connector ([`super::PacketConsumer`]).
 //!
 //! The protocol, consumer (prefill) driven:
-//! 1. encoder -> prefill `Offer` (its embeddings exist);
+//! 1. encoder -> prefill `Offer` (its embeddings exist; with a credit already
+//!    granted it leaves with step 4's message, see [`super::HeldOffer`]);
 //! 2. prefill takes each mm_hash from its encoder cache: a cached one is used as is and
 //!    not moved (no grant), a missing one is reserved and granted: `EcReserve`;
 //! 3. the encoder stages and writes every granted entry;

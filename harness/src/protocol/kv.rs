@@ -2,7 +2,8 @@
 //! in the style of the stage-packet connector ([`super::PacketConsumer`]).
 //!
 //! The protocol, consumer (decode) driven:
-//! 1. prefill -> decode `Offer` (its KV blocks are filled);
+//! 1. prefill -> decode `Offer` (its KV blocks are filled; with a credit already
+//!    granted it leaves with step 4's message, see [`super::HeldOffer`]);
 //! 2. decode looks up its prefix cache and allocates the missing tail; it grants each
 //!    contiguous run of tail blocks per layer and K/V: `KvReserve` (blocks before
 //!    `first_block` were a prefix hit and do not move);
