@@ -746,13 +746,15 @@ impl Link {
 
     /// As [`pair_over`](Self::pair_over), each message also costing `cpu`'s per-message
     /// work on the sending host (before it leaves) and on the receiving one (before it is
-    /// delivered): encoding, the syscall and the wake-up of a real control channel.
+    /// delivered): encoding, the syscall and the wake-up of a real control channel. `cpu`
+    /// names the stage processes at `a` and `b`: a message reaching one that is parked
+    /// waits for it to wake ([`Cpu::wake`](crate::host::Cpu::wake)).
     pub fn pair_over_hosts(
         name: &str,
         fabric: &Arc<omnirig_transports::Fabric>,
         a: &str,
         b: &str,
-        cpu: Option<&Arc<crate::host::Cpu>>,
+        cpu: Option<(&Arc<crate::host::Cpu>, (&str, &str))>,
     ) -> Result<(Link, Link)> {
         use omnirig_transports::transport::sim::Channel;
         let setup = |e: omnirig_transports::Error| HarnessError::Setup(format!("{name}: {e}"));
@@ -760,13 +762,30 @@ impl Link {
             Arc::new(Mailboxes::default()),
             Arc::new(Mailboxes::default()),
         );
-        // (sending host, receiving host, work per message on each), when CPU is charged.
-        let hosts = |from: &str, to: &str| {
-            let c = cpu?;
+        // (model, sending host, receiving host, work per message on each, sending and
+        // receiving process), when CPU is charged.
+        let hosts = |from: &str, to: &str, procs: (&str, &str)| {
+            let (c, _) = cpu?;
             let w = c.message();
-            (!w.is_zero()).then_some((c.host(from)?, c.host(to)?, w))
+            (!c.spec().is_free()).then_some((
+                c.clone(),
+                c.host(from)?,
+                c.host(to)?,
+                w,
+                (
+                    crate::host::control_thread(procs.0),
+                    crate::host::control_thread(procs.1),
+                ),
+            ))
         };
-        let out = |to: &Arc<Mailboxes>, ch: Channel, hosts: Option<(_, _, _)>| {
+        type Charged = (
+            Arc<crate::host::Cpu>,
+            Arc<crate::host::Host>,
+            Arc<crate::host::Host>,
+            Duration,
+            (String, String),
+        );
+        let out = |to: &Arc<Mailboxes>, ch: Channel, hosts: Option<Charged>| {
             let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Msg)>();
             let to = to.clone();
             tokio::spawn(async move {
@@ -776,11 +795,12 @@ impl Link {
                         // socket are: in order, the sender's work first. Its departure
                         // was reserved when it was sent, so the sender's work delays only
                         // its delivery.
-                        Some((src, dst, w)) => {
-                            let (src, dst): (&Arc<crate::host::Host>, &Arc<crate::host::Host>) =
-                                (src, dst);
+                        // A parked receiver wakes before it can read the message.
+                        Some((cpu, src, dst, w, (from, to))) => {
+                            cpu.touch(from);
                             src.run(*w).await;
                             tokio::time::sleep_until(at).await;
+                            cpu.wake(to).await;
                             dst.run(*w).await;
                         }
                         None => tokio::time::sleep_until(at).await,
@@ -795,13 +815,13 @@ impl Link {
         Ok((
             Link {
                 name: name.into(),
-                out: out(&mb, ab, hosts(a, b)),
+                out: out(&mb, ab, cpu.and_then(|(_, p)| hosts(a, b, p))),
                 inbox: ma.clone(),
                 spin: Duration::ZERO,
             },
             Link {
                 name: name.into(),
-                out: out(&ma, ba, hosts(b, a)),
+                out: out(&ma, ba, cpu.and_then(|(_, p)| hosts(b, a, (p.1, p.0)))),
                 inbox: mb,
                 spin: Duration::ZERO,
             },

@@ -26,13 +26,15 @@ use tokio::time::{Duration, Instant};
 ///   digest_ns_per_byte: 0.12    # XXH3-128 over bytes (verification, staging)
 ///   copy_ns_per_byte: 0.35      # a transport copying a byte, on each side (tcp send / recv)
 ///   message_us: 12              # per control message, on each side (encode, syscall, wake-up)
+///   wake_us: 130                # a parked stage process resuming for traffic (latency, no work)
+///   park_us: 50                 # traffic within this of a process's last stays hot
 ///   cores: 0                    # cores of a node no host names; 0: as many as it needs
 ///   hosts:                      # nodes sharing one machine's cores
 ///     - { name: localhost, cores: 2, nodes: [encoder, thinker_prefill, thinker_decode, talker, code2wav] }
 /// ```
 ///
 /// Every cost defaults to zero: a fabric without this section charges no CPU time.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CpuSpec {
     #[serde(default)]
@@ -43,10 +45,38 @@ pub struct CpuSpec {
     pub copy_ns_per_byte: f64,
     #[serde(default)]
     pub message_us: f64,
+    /// Scheduling delay, in microseconds, before a stage process that has been parked
+    /// resumes: a control message or a transfer reaching it, or a transfer's completion
+    /// reaching the process that waited for it. Latency, not work: no core is busy.
+    #[serde(default)]
+    pub wake_us: f64,
+    /// How long a process's threads stay hot (busy-polling) after its last traffic; traffic
+    /// within this pays no wake. Defaults to the engine's tcp busy-poll window.
+    #[serde(default = "default_park_us")]
+    pub park_us: f64,
     #[serde(default)]
     pub cores: u32,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hosts: Vec<HostSpec>,
+}
+
+fn default_park_us() -> f64 {
+    50.0
+}
+
+impl Default for CpuSpec {
+    fn default() -> Self {
+        CpuSpec {
+            generate_ns_per_byte: 0.0,
+            digest_ns_per_byte: 0.0,
+            copy_ns_per_byte: 0.0,
+            message_us: 0.0,
+            wake_us: 0.0,
+            park_us: default_park_us(),
+            cores: 0,
+            hosts: Vec::new(),
+        }
+    }
 }
 
 /// Fabric nodes that are one machine: their CPU work shares `cores`.
@@ -70,6 +100,8 @@ impl CpuSpec {
             ("digest_ns_per_byte", self.digest_ns_per_byte, 1e6),
             ("copy_ns_per_byte", self.copy_ns_per_byte, 1e6),
             ("message_us", self.message_us, 1e7),
+            ("wake_us", self.wake_us, 1e7),
+            ("park_us", self.park_us, 1e7),
         ] {
             if !(v.is_finite() && (0.0..=max).contains(&v)) {
                 return Err(format!("cpu.{field}: {v} is not in [0, {max:e}]"));
@@ -122,6 +154,7 @@ impl CpuSpec {
             && self.digest_ns_per_byte == 0.0
             && self.copy_ns_per_byte == 0.0
             && self.message_us == 0.0
+            && self.wake_us == 0.0
     }
 }
 
@@ -270,6 +303,8 @@ pub struct Cpu {
     of_node: BTreeMap<String, usize>,
     /// Tokio ns per modelled ns (the sim runner's time scale).
     scale: u64,
+    /// Each stage process's last traffic (tokio time), for the wake model.
+    last: std::sync::Mutex<BTreeMap<String, Instant>>,
 }
 
 impl Cpu {
@@ -296,6 +331,7 @@ impl Cpu {
             hosts,
             of_node,
             scale: scale.max(1),
+            last: Default::default(),
         })
     }
 
@@ -317,7 +353,36 @@ impl Cpu {
 
     /// One control message's cost on one side, as tokio time.
     pub fn message(&self) -> Duration {
-        Duration::from_nanos((self.spec.message_us * 1e3 * self.scale as f64).round() as u64)
+        self.us(self.spec.message_us)
+    }
+
+    fn us(&self, us: f64) -> Duration {
+        Duration::from_nanos((us * 1e3 * self.scale as f64).round() as u64)
+    }
+
+    /// Traffic at stage process `process` now: it stays hot for `park_us`.
+    pub fn touch(&self, process: &str) {
+        let mut l = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        l.insert(process.to_string(), Instant::now());
+    }
+
+    /// Traffic reaching stage process `process`: if it saw none for `park_us` (or ever), it
+    /// was parked and resumes `wake_us` later. A wake is latency, not work: it takes no
+    /// core. Returns when the process handles the traffic.
+    pub async fn wake(&self, process: &str) {
+        if self.spec.wake_us == 0.0 {
+            return;
+        }
+        let parked = {
+            let l = self.last.lock().unwrap_or_else(|p| p.into_inner());
+            l.get(process).is_none_or(|&t| {
+                Instant::now().saturating_duration_since(t) > self.us(self.spec.park_us)
+            })
+        };
+        if parked {
+            tokio::time::sleep(self.us(self.spec.wake_us)).await;
+        }
+        self.touch(process);
     }
 
     /// Each host's charged work, in modelled seconds.
@@ -334,6 +399,18 @@ impl Cpu {
     }
 }
 
+/// The wake model's name for the engine threads of stage process `process` (transfers land
+/// there; control messages reach its stage worker, [`control_thread`]): each parks on its
+/// own, so a hot engine does not make the worker hot.
+pub fn engine_thread(process: &str) -> String {
+    format!("{process}/engine")
+}
+
+/// The wake model's name for the stage worker of `process`, which control messages reach.
+pub fn control_thread(process: &str) -> String {
+    format!("{process}/control")
+}
+
 /// A stage's view of the model: its own host, its peers' hosts, the costs.
 #[derive(Debug, Clone)]
 pub struct StageCpu {
@@ -341,6 +418,9 @@ pub struct StageCpu {
     pub host: Arc<Host>,
     /// The host of the stage this one sends to, if any (a copy's receiving side).
     pub peer: Option<Arc<Host>>,
+    /// This stage's process, and the one it sends to (the wake model's names).
+    pub process: String,
+    pub peer_process: Option<String>,
 }
 
 impl StageCpu {
@@ -378,6 +458,24 @@ impl StageCpu {
         }
     }
 
+    /// A transfer `t` of `bytes` to the peer: the owner's process wakes for it if parked,
+    /// the copies run beside it ([`copy`](Self::copy)), and this process, which waited,
+    /// wakes for its completion if the wait outlasted its busy-poll.
+    pub async fn transfer<F: std::future::Future>(&self, bytes: u64, t: F) -> F::Output {
+        let me = engine_thread(&self.process);
+        let owner = self.peer_process.as_deref().map(engine_thread);
+        self.cpu.touch(&me);
+        if let Some(p) = &owner {
+            self.cpu.wake(p).await;
+        }
+        let r = tokio::join!(t, self.copy(bytes)).0;
+        if let Some(p) = &owner {
+            self.cpu.touch(p);
+        }
+        self.cpu.wake(&me).await;
+        r
+    }
+
     /// A copy of `bytes` within this host (pre-generated outputs copied into place).
     pub async fn copy_here(&self, bytes: u64) {
         let w = self.cpu.work(bytes, self.cpu.spec().copy_ns_per_byte);
@@ -396,6 +494,13 @@ pub struct Calibration {
     pub message_us: f64,
     /// Control round trip over TCP on 127.0.0.1, median, microseconds.
     pub round_trip_us: f64,
+    /// A parked process's wake-up (see [`CpuSpec::wake_us`]); 0 until measured
+    /// ([`Calibration::with_wake`]).
+    pub wake_us: f64,
+    /// What it was measured from: an engine's 4 KiB write to a peer process back to back and
+    /// after a pause, p50s (microseconds), and the pause.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wake_from: Option<WakeSample>,
     /// Cores this process may use.
     pub cores: u32,
     /// Bytes each throughput was measured over, and the round trips timed.
@@ -536,13 +641,35 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         copy_thread_cpu_ns_per_byte: threads.get(threads.len() / 2).map(|&x| per(x)),
         message_us: rtt_us / 4.0,
         round_trip_us: rtt_us,
+        wake_us: 0.0,
+        wake_from: None,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         bytes,
         round_trips: round_trips.max(1),
     })
 }
 
+/// An engine write's round trip to a peer process, hot and cold (the wake's measurement).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WakeSample {
+    /// Back to back: both sides busy-polling, p50 us (median of the repeats).
+    pub hot_us: f64,
+    /// After `gap_us` of nothing: both sides parked, p50 us (median of the repeats).
+    pub cold_us: f64,
+    pub gap_us: u64,
+    pub repeats: usize,
+}
+
 impl Calibration {
+    /// Sets the wake from a hot and a cold round trip: a cold one wakes two parked processes
+    /// (the owner for the write, the initiator for its acknowledgement), so each wake is
+    /// half the difference.
+    pub fn with_wake(mut self, w: WakeSample) -> Self {
+        self.wake_us = ((w.cold_us - w.hot_us) / 2.0).max(0.0);
+        self.wake_from = Some(w);
+        self
+    }
+
     /// The `cpu:` section of a fabric file, every fabric node in `nodes` on one host with
     /// this machine's cores (as `omnirig run --processes` places its stage processes).
     pub fn cpu_yaml(&self, nodes: &[&str]) -> String {
@@ -562,6 +689,15 @@ impl Calibration {
             self.copy_ns_per_byte,
             self.message_us,
         );
+        if let Some(w) = &self.wake_from {
+            y += &format!(
+                "  # an engine's 4 KiB write to a peer process: {:.1} us back to back, {:.1} us after {} ms idle\n  wake_us: {:.1}\n",
+                w.hot_us,
+                w.cold_us,
+                w.gap_us / 1000,
+                self.wake_us,
+            );
+        }
         if !nodes.is_empty() {
             y += &format!(
                 "  hosts:\n    - {{ name: localhost, cores: {}, nodes: [{}] }}\n",

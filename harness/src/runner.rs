@@ -164,7 +164,10 @@ pub async fn local_stages_on(
         let tx = Arc::new(Engine::new(tx_cfg).await?);
         let rx = Arc::new(Engine::new(rx_cfg).await?);
         let (a, b) = match sim {
-            Some((f, ps, pd)) => Link::pair_over_hosts(kind.as_str(), f, &ps, &pd, cpu.as_ref())?,
+            Some((f, ps, pd)) => {
+                let procs = (kind.source().as_str(), kind.target().as_str());
+                Link::pair_over_hosts(kind.as_str(), f, &ps, &pd, cpu.as_ref().map(|c| (c, procs)))?
+            }
             None => Link::pair(kind.as_str()),
         };
         ends.insert(
@@ -202,6 +205,8 @@ pub async fn local_stages_on(
                         cpu: c.clone(),
                         host,
                         peer: outbound_kind(stage).and_then(|k| host_of(k.target())),
+                        process: stage.as_str().to_string(),
+                        peer_process: outbound_kind(stage).map(|k| k.target().as_str().to_string()),
                     });
                 }
             }

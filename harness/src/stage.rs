@@ -700,7 +700,7 @@ impl StageWorker {
         let bytes = requests.iter().map(|r| r.len).sum();
         let t = engine.transfer(requests, Some(self.timeout()));
         match &self.host {
-            Some(h) => tokio::join!(t, h.copy(bytes)).0,
+            Some(h) => h.transfer(bytes, t).await,
             None => t.await,
         }
     }

@@ -196,6 +196,8 @@ fn the_cpu_section_parses_and_bad_values_name_their_field() {
             "cpu.generate_ns_per_byte",
         ),
         ("cpu: { message_us: 1e9 }", "cpu.message_us"),
+        ("cpu: { wake_us: -3 }", "cpu.wake_us"),
+        ("cpu: { park_us: .inf }", "cpu.park_us"),
         ("cpu: { cores: 100000 }", "cpu.cores"),
         (
             "cpu: { hosts: [{ name: box, cores: 0, nodes: [a] }] }",
@@ -264,6 +266,93 @@ fn two_jobs_on_one_core_take_twice_as_long() {
     });
 }
 
+/// The wake model: traffic reaching a process that saw none for `park_us` waits `wake_us`
+/// (latency, no core busy); traffic within `park_us` of the last does not.
+#[test]
+fn a_parked_process_wakes_late_and_a_hot_one_at_once() {
+    use omnirig_harness::host::{Cpu, CpuSpec};
+    use std::time::Duration;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let spec = CpuSpec {
+            wake_us: 100.0,
+            park_us: 50.0,
+            ..CpuSpec::default()
+        };
+        // The sim runner's scale: a tokio millisecond is a modelled microsecond (tokio's
+        // timer counts whole milliseconds).
+        let cpu = Cpu::new(spec, &["a"], 1000).unwrap();
+        let us = Duration::from_millis;
+        let timed = |p: &'static str| {
+            let cpu = &cpu;
+            async move {
+                let t0 = tokio::time::Instant::now();
+                cpu.wake(p).await;
+                t0.elapsed()
+            }
+        };
+        // Never seen: parked.
+        assert_eq!(timed("a/control").await, us(100));
+        // At once, and 40 us later: hot.
+        assert_eq!(timed("a/control").await, us(0));
+        tokio::time::sleep(us(40)).await;
+        assert_eq!(timed("a/control").await, us(0));
+        // Another thread of the process parks on its own.
+        assert_eq!(timed("a/engine").await, us(100));
+        // 60 us after its last traffic: parked again.
+        tokio::time::sleep(us(60)).await;
+        assert_eq!(timed("a/control").await, us(100));
+        // Sending is traffic too.
+        tokio::time::sleep(us(60)).await;
+        cpu.touch("a/control");
+        assert_eq!(timed("a/control").await, us(0));
+        // No core was busy: the wake is latency, not work.
+        assert_eq!(cpu.busy_s()[0].1, 0.0);
+    });
+    // Without wake_us nothing waits.
+    let free = Cpu::new(CpuSpec::default(), &["a"], 1000).unwrap();
+    rt.block_on(async {
+        let t0 = tokio::time::Instant::now();
+        free.wake("a/control").await;
+        assert_eq!(t0.elapsed(), Duration::ZERO);
+    });
+}
+
+/// In a simulated run a small hop pays two wakes when both stage processes were parked:
+/// the owner's for the write, the producer's for its acknowledgement.
+#[test]
+fn a_small_hop_between_parked_stages_pays_two_wakes() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (fabric, cpu) =
+        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
+    s.fabric = Some(fabric);
+    let hop = |wake_us: f64| {
+        let mut s = s.clone();
+        s.cpu = cpu
+            .clone()
+            .map(|c| omnirig_harness::host::CpuSpec { wake_us, ..c });
+        let r = sim::run(&s, Some(5)).unwrap();
+        assert!(r.report.passed(), "{}", r.report.summary_text());
+        r.report
+            .hops
+            .iter()
+            .find(|h| h.hop == "talker_to_code2wav")
+            .unwrap()
+            .transfer_ms_p50
+    };
+    let (none, woken) = (hop(0.0), hop(500.0));
+    let added = woken - none;
+    assert!(
+        (0.95..=1.05).contains(&added),
+        "talker -> code2wav transfer {none} ms without wakes, {woken} ms with 0.5 ms wakes"
+    );
+}
+
 /// `simulate --calibrate-cpu`'s section, pasted into a fabric, parses back (and costs
 /// something on this machine).
 #[test]
@@ -272,7 +361,15 @@ fn the_calibration_parses_back_as_a_fabric() {
     let text = std::fs::read_to_string(root.join("fabrics/rfc-ndr400.yaml")).unwrap();
     let (spec, _) = sim::fabric_file_from_str(&text, "rfc").unwrap();
     let nodes: Vec<&str> = spec.nodes.iter().map(|n| n.name.as_str()).collect();
-    let c = omnirig_harness::host::calibrate(4 << 20, 50).unwrap();
+    // The wake is measured by the CLI (an engine's write to a peer process): set here.
+    let c = omnirig_harness::host::calibrate(4 << 20, 50)
+        .unwrap()
+        .with_wake(omnirig_harness::host::WakeSample {
+            hot_us: 20.0,
+            cold_us: 260.0,
+            gap_us: 10_000,
+            repeats: 3,
+        });
     let section = c.cpu_yaml(&nodes);
     let (back, cpu) = sim::fabric_file_from_str(&format!("{text}\n{section}"), "calibrated")
         .unwrap_or_else(|e| panic!("{e}\n{section}"));
@@ -287,6 +384,8 @@ fn the_calibration_parses_back_as_a_fabric() {
         "{section}"
     );
     assert_eq!(cpu.hosts[0].nodes.len(), nodes.len());
+    // Two parked processes per cold round trip: each wake is half the difference.
+    assert_eq!(cpu.wake_us, 120.0, "{section}");
 }
 
 /// With a host model a run's CPU work takes virtual time (so e2e grows), and the run stays

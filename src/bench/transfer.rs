@@ -31,6 +31,9 @@ pub struct Options {
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub completion_spin: Option<std::time::Duration>,
     pub runtime: Runtime,
+    /// Pause before each timed transfer (and each raw round trip), so a peer that parks
+    /// between requests, as a pipeline stage does, is measured cold. Zero: back to back.
+    pub gap: Duration,
 }
 
 /// The tokio runtime the benchmark's engine runs on.
@@ -91,17 +94,31 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
 }
 
 /// Times `iters` transfers of one request (after a short warm-up).
-async fn time_engine(engine: &Engine, req: Request, iters: usize) -> anyhow::Result<Samples> {
+async fn time_engine(
+    engine: &Engine,
+    req: Request,
+    iters: usize,
+    gap: Duration,
+) -> anyhow::Result<Samples> {
     let mut s = Samples::new(req.len);
     for _ in 0..iters.min(3) {
         engine.transfer(vec![req.clone()], OP_TIMEOUT).await?;
     }
     for _ in 0..iters {
+        pause(gap);
         let t = Instant::now();
         engine.transfer(vec![req.clone()], OP_TIMEOUT).await?;
         s.push(t.elapsed());
     }
     Ok(s)
+}
+
+/// The `--gap-us` pause: a thread sleep (tokio's timer rounds to whole milliseconds), so
+/// the peer's threads, not this one's, are what park.
+fn pause(gap: Duration) {
+    if !gap.is_zero() {
+        std::thread::sleep(gap);
+    }
 }
 
 /// Two engines of this process over `kind` (loopback, or rdma through one device).
@@ -236,7 +253,7 @@ async fn rows_against_memcpy(
         progress(&format!("{transport} {} x {iters}", human_size(size)));
         let write = Request::write(src, 0, wg, 0, size);
         let read = Request::read(landing, 0, rg, 0, size);
-        let (base, w, r) = against_memcpy(a, &write, &read, (&msrc, &mdst), iters).await?;
+        let (base, w, r) = against_memcpy(a, &write, &read, (&msrc, &mdst), iters, o.gap).await?;
         rows.push(Row::new("write", size, &w, "memcpy", &base));
         rows.push(Row::new("read", size, &r, "memcpy", &base));
         if transport == TransportKind::Rdma {
@@ -306,10 +323,12 @@ async fn against_memcpy(
     read: &Request,
     (msrc, mdst): (&Region, &Region),
     iters: usize,
+    gap: Duration,
 ) -> anyhow::Result<(Samples, Samples, Samples)> {
     let size = write.len;
     let (mut base, mut w, mut r) = (Samples::new(size), Samples::new(size), Samples::new(size));
     for i in 0..iters + 3 {
+        pause(gap);
         let t = Instant::now();
         msrc.copy_to(0, mdst, 0, size)?;
         std::hint::black_box(mdst);
@@ -347,12 +366,13 @@ pub fn best_raw(
     buf: &mut [u8],
     iters: usize,
     spin: Duration,
+    gap: Duration,
 ) -> anyhow::Result<(&'static str, Samples)> {
-    let blocking = time_raw(s, op, buf, iters, Duration::ZERO)?;
+    let blocking = time_raw(s, op, buf, iters, Duration::ZERO, gap)?;
     if spin.is_zero() {
         return Ok(("raw-blocking", blocking));
     }
-    let polled = time_raw(s, op, buf, iters, spin)?;
+    let polled = time_raw(s, op, buf, iters, spin, gap)?;
     Ok(if polled.gbps() > blocking.gbps() {
         ("raw-polled", polled)
     } else {
@@ -367,6 +387,7 @@ fn time_raw(
     buf: &mut [u8],
     iters: usize,
     spin: Duration,
+    gap: Duration,
 ) -> anyhow::Result<Samples> {
     let size = buf.len();
     let mut h = [0u8; RAW_HEADER];
@@ -379,6 +400,7 @@ fn time_raw(
     let mut ack = [0u8; 1];
     let mut samples = Samples::new(size as u64);
     for i in 0..iters + 3 {
+        pause(gap);
         let t = Instant::now();
         if op == b'W' {
             // Header and payload in one call where it fits, as the engine does.
@@ -445,8 +467,9 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
             &mut raw_buf[..size as usize],
             iters,
             o.tcp.busy_poll,
+            o.gap,
         )?;
-        let w = time_engine(&a, Request::write(&src, 0, &wg, 0, size), iters).await?;
+        let w = time_engine(&a, Request::write(&src, 0, &wg, 0, size), iters, o.gap).await?;
         rows.push(Row::new("write", size, &w, name, &bw));
         let (name, br) = best_raw(
             &mut raw,
@@ -454,8 +477,9 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
             &mut raw_buf[..size as usize],
             iters,
             o.tcp.busy_poll,
+            o.gap,
         )?;
-        let r = time_engine(&a, Request::read(&landing, 0, &rg, 0, size), iters).await?;
+        let r = time_engine(&a, Request::read(&landing, 0, &rg, 0, size), iters, o.gap).await?;
         rows.push(Row::new("read", size, &r, name, &br));
     }
     check_peer_pattern(&landing, o, TransportKind::Tcp)?;

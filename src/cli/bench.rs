@@ -178,6 +178,12 @@ pub struct TransferArgs {
     /// rdma, current for the others.
     #[arg(long, value_enum)]
     runtime: Option<transfer::Runtime>,
+    /// Microseconds to pause before each timed transfer and each raw round trip (tcp, shm;
+    /// with loopback and rdma, before each round), so a peer that parks between requests, as
+    /// a pipeline stage does, is measured cold (what `simulate --calibrate-cpu`'s `wake_us`
+    /// models). 0: back to back.
+    #[arg(long, default_value_t = 0)]
+    gap_us: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -242,6 +248,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     TransportKind::Rdma => transfer::Runtime::Multi,
                     _ => transfer::Runtime::Current,
                 }),
+                gap: std::time::Duration::from_micros(a.gap_us),
             };
             let results = transfer::run(&opts)?;
             print!("{}", results.table());

@@ -58,7 +58,8 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
     };
     let nodes: Vec<&str> = fabric.nodes.iter().map(|n| n.name.as_str()).collect();
     let c = omnirig_harness::host::calibrate(args.calibrate_mib << 20, 2000)
-        .context("calibrating the host model")?;
+        .context("calibrating the host model")?
+        .with_wake(measure_wake().context("measuring a parked process's wake-up")?);
     let yaml = c.cpu_yaml(&nodes);
     print!("{yaml}");
     if let Some(dir) = &args.out {
@@ -73,6 +74,55 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Pause before each cold write: long enough that both processes park (the busy-poll is
+/// 50 us) and sink as deep as they do between a pipeline's requests; shorter pauses here
+/// measured smaller wakes (1 ms: about a third).
+const WAKE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
+const WAKE_REPEATS: usize = 3;
+
+/// An engine's 4 KiB write to a peer process (`bench transfer`'s tcp suite, on the
+/// multi-thread runtime `omnirig run` uses), back to back and after [`WAKE_GAP`], each
+/// [`WAKE_REPEATS`] times, alternating; the medians of the p50s.
+fn measure_wake() -> anyhow::Result<omnirig_harness::host::WakeSample> {
+    use crate::bench::transfer;
+    let p50 = |gap: std::time::Duration| -> anyhow::Result<f64> {
+        let o = transfer::Options {
+            transport: omnirig_transports::TransportKind::Tcp,
+            sizes: vec![4096],
+            budget: 1 << 30,
+            min_iters: 200,
+            max_iters: 200,
+            tcp: omnirig_transports::TcpConfig::default(),
+            perftest_seconds: 0,
+            completion_spin: None,
+            runtime: transfer::Runtime::Multi,
+            gap,
+        };
+        let r = transfer::run(&o)?;
+        let w = r
+            .rows
+            .iter()
+            .find(|r| r.op == "write")
+            .context("bench transfer returned no write row")?;
+        Ok(w.omnirig.p50_us)
+    };
+    let (mut hot, mut cold) = (Vec::new(), Vec::new());
+    for _ in 0..WAKE_REPEATS {
+        hot.push(p50(std::time::Duration::ZERO)?);
+        cold.push(p50(WAKE_GAP)?);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(omnirig_harness::host::WakeSample {
+        hot_us: median(&mut hot),
+        cold_us: median(&mut cold),
+        gap_us: WAKE_GAP.as_micros() as u64,
+        repeats: WAKE_REPEATS,
+    })
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct HopPrediction {
     pub hop: String,
@@ -80,6 +130,8 @@ pub struct HopPrediction {
     pub transfer_ms_p99: f64,
     pub handoff_ms_p50: f64,
     pub handoff_ms_p99: f64,
+    /// Where the handoff's time goes (reserve, transfer, fence, verify, ack), as a report's.
+    pub phases_ms_p50: omnirig_harness::stage::HandoffPhases,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -136,6 +188,7 @@ fn hops_of(r: &Report) -> Vec<HopPrediction> {
             transfer_ms_p99: h.transfer_ms_p99,
             handoff_ms_p50: h.handoff_ms_p50,
             handoff_ms_p99: h.handoff_ms_p99,
+            phases_ms_p50: h.phases_ms_p50,
         })
         .collect()
 }
