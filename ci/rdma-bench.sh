@@ -10,6 +10,9 @@
 #       run per slice; --runtime current: one runtime thread), right after, in the same VM,
 #       and the medians are printed per variant ("now" / "before"); RDMA_BENCH_VARIANTS
 #       names other variants ("label:ENV=VALUE --bench-arg value;label2:...")
+#   RDMA_BENCH_ROUNDS=N (default 1): each run interleaves N engine runs with N + 1 perftest runs
+#       (`bench transfer --rounds N`) and reports the median engine run against perftest's
+#       median; its lines also give the ratio against the best perftest run
 #
 # Builds the release binary on the host first (the VM runs host binaries; OMNIRIG_BENCH_BIN
 # names one already built instead). Bandwidth ratios are
@@ -21,6 +24,7 @@ cd "$(dirname "$0")/.."
 runs=${1:-3}
 secs=${2:-2}
 paired=${3:-}
+rounds=${RDMA_BENCH_ROUNDS:-1}
 variants=("now:")
 [[ $paired == --paired ]] && variants+=("before:OMNIRIG_RDMA_BATCH=off --runtime current")
 # RDMA_BENCH_VARIANTS="label:ENV=V --arg v;label2:..." replaces the variants (e.g. to tell the
@@ -40,14 +44,14 @@ fi
 mkdir -p target/rdma-bench
 out=$PWD/target/rdma-bench/$(date +%Y%m%d-%H%M%S).log
 t0=$SECONDS
-ci/softroce.sh run --timeout $((120 + runs * ${#variants[@]} * 240)) -- "set -o pipefail
+ci/softroce.sh run --timeout $((120 + runs * ${#variants[@]} * rounds * 240)) -- "set -o pipefail
 for i in \$(seq $runs); do
   for v in ${variants[*]@Q}; do
     label=\${v%%:*}; spec=\${v#*:}; envs=(); args=()
     for w in \$spec; do [[ \$w == *=* ]] && envs+=(\"\$w\") || args+=(\"\$w\"); done
     echo \"== run \$i of $runs variant \$label\"
     env \"\${envs[@]}\" $omnirig bench transfer --transport rdma --sizes 8,64K,1M --budget 256M \\
-      --max-iters 2000 --perftest-seconds $secs \"\${args[@]}\" 2> /tmp/bench.err \\
+      --max-iters 2000 --perftest-seconds $secs --rounds $rounds \"\${args[@]}\" 2> /tmp/bench.err \\
       | sed \"s/^ratio /ratio[\$label] /\" || { cat /tmp/bench.err >&2; exit 1; }
   done
 done" | tee "$out"

@@ -160,6 +160,10 @@ pub struct Row {
     /// way plus a 1-byte ack, measured in the same run: the floor for any tcp handoff.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub floor: Option<Baseline>,
+    /// rdma: the best of the perftest runs (`baseline` is their median), and the ratio
+    /// against it: noise between perftest runs lowers this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best: Option<(Baseline, f64)>,
 }
 
 impl Row {
@@ -183,6 +187,7 @@ impl Row {
             concurrency: None,
             throughput_rps: None,
             floor: None,
+            best: None,
         }
     }
 

@@ -169,10 +169,18 @@ pub struct TransferArgs {
     /// engine where perftest is installed).
     #[arg(long, default_value_t = 2)]
     perftest_seconds: u64,
+    /// rdma: engine runs, interleaved with perftest runs (one before each and one after the
+    /// last); each row is the median engine run against perftest's median.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// rdma: microseconds a completion wait busy-polls before it parks on the completion
     /// channel (the engine's `RdmaConfig::completion_spin`; default: the engine's).
     #[arg(long)]
     completion_spin_us: Option<u64>,
+    /// rdma: work requests in flight per queue pair (the engine's
+    /// `RdmaConfig::max_outstanding`; default: the engine's).
+    #[arg(long)]
+    max_outstanding: Option<u32>,
     /// The tokio runtime the engine runs on: `multi` (multi-threaded, the engine driven from
     /// a spawned task, as in `omnirig run`) or `current` (one thread). Default: multi for
     /// rdma, current for the others.
@@ -243,7 +251,9 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 max_iters: a.max_iters.max(a.min_iters.max(1)),
                 tcp,
                 perftest_seconds: a.perftest_seconds,
+                rounds: a.rounds,
                 completion_spin: a.completion_spin_us.map(std::time::Duration::from_micros),
+                max_outstanding: a.max_outstanding,
                 runtime: a.runtime.unwrap_or(match a.transport {
                     TransportKind::Rdma => transfer::Runtime::Multi,
                     _ => transfer::Runtime::Current,

@@ -94,7 +94,9 @@ fn measure_wake() -> anyhow::Result<omnirig_harness::host::WakeSample> {
             max_iters: 200,
             tcp: omnirig_transports::TcpConfig::default(),
             perftest_seconds: 0,
+            rounds: 1,
             completion_spin: None,
+            max_outstanding: None,
             runtime: transfer::Runtime::Multi,
             gap,
         };
