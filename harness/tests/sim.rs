@@ -222,17 +222,22 @@ fn the_cpu_section_parses_and_bad_values_name_their_field() {
     }
 }
 
+/// A runtime on tokio's paused clock: virtual time, as the sim runner's.
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap()
+}
+
 /// Processor sharing: two equal jobs on a one-core host each take twice as long in virtual
 /// time as one alone; on two cores they do not slow each other.
 #[test]
 fn two_jobs_on_one_core_take_twice_as_long() {
     use omnirig_harness::host::Host;
     use std::time::Duration;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .unwrap();
+    let rt = paused_runtime();
     rt.block_on(async {
         let work = Duration::from_millis(10);
         let one = Host::new("one", 1);
@@ -272,11 +277,7 @@ fn two_jobs_on_one_core_take_twice_as_long() {
 fn a_parked_process_wakes_late_and_a_hot_one_at_once() {
     use omnirig_harness::host::{Cpu, CpuSpec};
     use std::time::Duration;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .unwrap();
+    let rt = paused_runtime();
     rt.block_on(async {
         let spec = CpuSpec {
             wake_us: 100.0,
