@@ -762,22 +762,6 @@ impl Link {
             Arc::new(Mailboxes::default()),
             Arc::new(Mailboxes::default()),
         );
-        // (model, sending host, receiving host, work per message on each, sending and
-        // receiving process), when CPU is charged.
-        let hosts = |from: &str, to: &str, procs: (&str, &str)| {
-            let (c, _) = cpu?;
-            let w = c.message();
-            (!c.spec().is_free()).then_some((
-                c.clone(),
-                c.host(from)?,
-                c.host(to)?,
-                w,
-                (
-                    crate::host::control_thread(procs.0),
-                    crate::host::control_thread(procs.1),
-                ),
-            ))
-        };
         type Charged = (
             Arc<crate::host::Cpu>,
             Arc<crate::host::Host>,
@@ -785,6 +769,22 @@ impl Link {
             Duration,
             (String, String),
         );
+        // (model, sending host, receiving host, work per message on each, sending and
+        // receiving stage worker), when CPU is charged; each end is (node, process).
+        let charged = |(from, pfrom): (&str, &str), (to, pto): (&str, &str)| -> Option<Charged> {
+            let (c, _) = cpu?;
+            (!c.spec().is_free()).then_some((
+                c.clone(),
+                c.host(from)?,
+                c.host(to)?,
+                c.message(),
+                (
+                    crate::host::control_thread(pfrom),
+                    crate::host::control_thread(pto),
+                ),
+            ))
+        };
+        let (pa, pb) = cpu.map_or(("", ""), |(_, p)| p);
         let out = |to: &Arc<Mailboxes>, ch: Channel, hosts: Option<Charged>| {
             let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Msg)>();
             let to = to.clone();
@@ -794,8 +794,7 @@ impl Link {
                         // One message at a time per direction, as the frames of one
                         // socket are: in order, the sender's work first. Its departure
                         // was reserved when it was sent, so the sender's work delays only
-                        // its delivery.
-                        // A parked receiver wakes before it can read the message.
+                        // its delivery. A parked receiver wakes before it reads it.
                         Some((cpu, src, dst, w, (from, to))) => {
                             cpu.touch(from);
                             src.run(*w).await;
@@ -815,13 +814,13 @@ impl Link {
         Ok((
             Link {
                 name: name.into(),
-                out: out(&mb, ab, cpu.and_then(|(_, p)| hosts(a, b, p))),
+                out: out(&mb, ab, charged((a, pa), (b, pb))),
                 inbox: ma.clone(),
                 spin: Duration::ZERO,
             },
             Link {
                 name: name.into(),
-                out: out(&ma, ba, cpu.and_then(|(_, p)| hosts(b, a, (p.1, p.0)))),
+                out: out(&ma, ba, charged((b, pb), (a, pa))),
                 inbox: mb,
                 spin: Duration::ZERO,
             },

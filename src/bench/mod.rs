@@ -59,6 +59,19 @@ pub fn human_size(n: u64) -> String {
     }
 }
 
+/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 /// Latency samples of one measured series.
 #[derive(Debug, Clone, Default)]
 pub struct Samples {

@@ -749,15 +749,7 @@ mod perftest {
         /// middle two): perftest's own run-to-run spread under TCG is 2x, so one engine run
         /// against the best of several perftest runs reads low by chance alone.
         pub fn median(runs: &[Figures]) -> Figures {
-            Self::combine(runs, |v| {
-                v.sort_by(f64::total_cmp);
-                let n = v.len();
-                if n % 2 == 1 {
-                    v[n / 2]
-                } else {
-                    (v[n / 2 - 1] + v[n / 2]) / 2.0
-                }
-            })
+            Self::combine(runs, |v| crate::bench::median(v))
         }
 
         /// The best figure per size over the runs: the most bandwidth, the least latency.

@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::bench::median;
 use anyhow::Context;
 use omnirig_harness::sim;
 use omnirig_harness::{Report, Scenario};
@@ -113,10 +114,6 @@ fn measure_wake() -> anyhow::Result<omnirig_harness::host::WakeSample> {
         hot.push(p50(std::time::Duration::ZERO)?);
         cold.push(p50(WAKE_GAP)?);
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     Ok(omnirig_harness::host::WakeSample {
         hot_us: median(&mut hot),
         cold_us: median(&mut cold),
@@ -166,19 +163,6 @@ pub struct Comparison {
     pub runs: usize,
     /// (predicted - measured) / measured.
     pub error: f64,
-}
-
-/// The median of `v` (the mean of the middle two for an even count).
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        0.0
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn hops_of(r: &Report) -> Vec<HopPrediction> {

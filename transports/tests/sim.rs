@@ -92,6 +92,27 @@ async fn write(f: &Fabric, src: &Engine, dst: &Engine, len: u64, seed: u64) -> u
     took
 }
 
+/// One read of `len` bytes that `owner` holds, by `reader`; checks the bytes and returns the
+/// modelled ns it took.
+async fn read(f: &Fabric, reader: &Engine, owner: &Engine, len: u64, seed: u64) -> u64 {
+    let data = pattern(seed, len as usize);
+    let src = owner.allocate(len).unwrap();
+    src.write(0, &data).unwrap();
+    let g = owner.grant(&src, 0, len, Access::Read).unwrap();
+    let back = reader.allocate(len).unwrap();
+    let t = f.now_ns();
+    reader
+        .transfer(vec![Request::read(&back, 0, &g, 0, len)], None)
+        .await
+        .unwrap();
+    let took = f.now_ns() - t;
+    owner.revoke(&g);
+    let mut got = vec![0u8; len as usize];
+    back.read(0, &mut got).unwrap();
+    assert!(got == data, "bytes differ");
+    took
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn bytes_are_exact_and_virtual_time_follows_the_model() {
     let f = fabric();
@@ -141,18 +162,7 @@ async fn reads_cross_the_route_back() {
     let a = engine(&f, &store, "a").await;
     let c = engine(&f, &store, "c").await;
     let len = 3 * MIB + 5;
-    let data = pattern(9, len as usize);
-    let src = c.allocate(len).unwrap();
-    src.write(0, &data).unwrap();
-    let g = c.grant(&src, 0, len, Access::Read).unwrap();
-    let back = a.allocate(len).unwrap();
-    a.transfer(vec![Request::read(&back, 0, &g, 0, len)], None)
-        .await
-        .unwrap();
-    c.revoke(&g);
-    let mut got = vec![0u8; len as usize];
-    back.read(0, &mut got).unwrap();
-    assert!(got == data);
+    read(&f, &a, &c, len, 9).await;
     assert!(f.usage().iter().any(|q| q.queue == "c>a" && q.bytes == len));
 }
 
@@ -165,20 +175,8 @@ async fn a_small_write_or_read_costs_a_round_trip_of_latency() {
     // 8 bytes: 12 us to land (link + both NICs), 12 us for the answer back.
     let took = write(&f, &a, &c, 8, 3).await;
     assert!((24_000..25_100).contains(&took), "write took {took} ns");
-    let src = c.allocate(8).unwrap();
-    src.write(0, &[7; 8]).unwrap();
-    let g = c.grant(&src, 0, 8, Access::Read).unwrap();
-    let back = a.allocate(8).unwrap();
-    let t = f.now_ns();
-    a.transfer(vec![Request::read(&back, 0, &g, 0, 8)], None)
-        .await
-        .unwrap();
-    let took = f.now_ns() - t;
+    let took = read(&f, &a, &c, 8, 7).await;
     assert!((24_000..25_100).contains(&took), "read took {took} ns");
-    c.revoke(&g);
-    let mut got = [0u8; 8];
-    back.read(0, &mut got).unwrap();
-    assert_eq!(got, [7; 8]);
     assert_idle(&a).await;
 }
 
