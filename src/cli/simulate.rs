@@ -77,7 +77,7 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
 
 /// Pause before each cold write: long enough that both processes park (the busy-poll is
 /// 50 us) and sink as deep as they do between a pipeline's requests; shorter pauses here
-/// measured smaller wakes (1 ms: about a third).
+/// measured smaller wakes (1 ms: about 40%).
 const WAKE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 const WAKE_REPEATS: usize = 3;
 
