@@ -16,6 +16,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::grant::{
     Access, Admitted, Grant, GrantKey, GrantRef, GrantSpec, GrantTable, MAX_KEY_BYTES,
 };
+use crate::idmap::IdMap;
 use crate::memory::Region;
 use crate::metadata::{InProcessStore, MetadataStore};
 use crate::segment::{BufferDescriptor, Endpoint, MemoryKind, SegmentDescriptor, validate_name};
@@ -174,7 +175,7 @@ pub(crate) struct EngineCore {
     pub name: String,
     pub instance: u64,
     pub live: Arc<Liveness>,
-    buffers: RwLock<HashMap<u32, Arc<BufferEntry>>>,
+    buffers: RwLock<IdMap<u32, Arc<BufferEntry>>>,
     grants: Mutex<GrantTable>,
     closed: AtomicBool,
     /// What the transports publish, once they started.
@@ -305,7 +306,7 @@ impl EngineCore {
         len: u64,
         access: Access,
     ) -> Result<u64> {
-        let g = self.grants().issue(
+        self.grants().issue_lease(
             &self.name,
             GrantSpec {
                 buffer,
@@ -318,8 +319,7 @@ impl EngineCore {
                 token: 0,
                 lease: true,
             },
-        )?;
-        Ok(g.epoch)
+        )
     }
 }
 

@@ -8,7 +8,7 @@
 //! The table is plain state (no I/O): transports call [`GrantTable::admit`] and hold a
 //! [`FencePin`] for exactly one bounded copy or non-blocking system call.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -16,6 +16,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::idmap::IdMap;
 use crate::transport::TransportKind;
 
 /// What a grant lets the peer do.
@@ -327,9 +328,9 @@ impl Ranges {
 #[derive(Debug, Default)]
 pub struct GrantTable {
     next_epoch: u64,
-    by_epoch: HashMap<u64, Arc<GrantEntry>>,
+    by_epoch: IdMap<u64, Arc<GrantEntry>>,
     /// Per buffer: (start, epoch) -> end, for overlap checks and accounting.
-    by_buffer: HashMap<u32, Ranges>,
+    by_buffer: IdMap<u32, Ranges>,
     granted_bytes: u64,
     leases: usize,
     /// Live grants with an expiry; sweeping is skipped while there are none.
@@ -343,6 +344,17 @@ impl GrantTable {
     /// Reserves a range of a buffer. A write grant (or lease) excludes every other grant on
     /// its range; read grants may overlap each other.
     pub fn issue(&mut self, segment: &str, spec: GrantSpec) -> Result<Grant> {
+        self.insert(segment, spec).map(|e| e.grant.clone())
+    }
+
+    /// As [`issue`](Self::issue), returning only the epoch: an engine's lease on its own
+    /// buffer for one transfer, which is on every transfer's path, needs nothing else (and
+    /// no copy of the grant).
+    pub fn issue_lease(&mut self, segment: &str, spec: GrantSpec) -> Result<u64> {
+        self.insert(segment, spec).map(|e| e.grant.epoch)
+    }
+
+    fn insert(&mut self, segment: &str, spec: GrantSpec) -> Result<Arc<GrantEntry>> {
         let GrantSpec {
             buffer,
             buffer_len,
@@ -391,17 +403,16 @@ impl GrantTable {
             access,
             keys: Vec::new(),
         };
-        self.by_epoch.insert(
-            grant.epoch,
-            Arc::new(GrantEntry {
-                grant: grant.clone(),
-                expires,
-                lease,
-                fence: Fence::default(),
-            }),
-        );
+        let epoch = grant.epoch;
+        let entry = Arc::new(GrantEntry {
+            grant,
+            expires,
+            lease,
+            fence: Fence::default(),
+        });
+        self.by_epoch.insert(epoch, entry.clone());
         let ranges = self.by_buffer.entry(buffer).or_default();
-        ranges.map.insert((offset, grant.epoch), end);
+        ranges.map.insert((offset, epoch), end);
         ranges.longest = ranges.longest.max(len);
         if expires.is_some() {
             self.expiring += 1;
@@ -411,7 +422,7 @@ impl GrantTable {
         } else {
             self.granted_bytes += len;
         }
-        Ok(grant)
+        Ok(entry)
     }
 
     /// Validates a remote access under `wire` at `offset..offset+len` relative to the grant.

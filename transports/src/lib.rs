@@ -15,6 +15,7 @@ pub mod batch;
 pub mod engine;
 pub mod error;
 pub mod grant;
+pub mod idmap;
 pub mod memory;
 pub mod metadata;
 pub mod segment;

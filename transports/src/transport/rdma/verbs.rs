@@ -9,7 +9,6 @@
 //!
 //! Every refusal is an [`Error`] naming the device, the port and the step that failed.
 
-use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -29,6 +28,7 @@ use sideway::ibverbs::queue_pair::{
 };
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::idmap::IdMap;
 use crate::memory::Region;
 use crate::staging::Staged;
 
@@ -720,7 +720,7 @@ pub struct QueuePair {
     /// Send queue entries in use: posted, completion not yet reaped.
     posted: AtomicU32,
     next_slot: AtomicU32,
-    slots: Mutex<HashMap<u32, Arc<Slot>>>,
+    slots: Mutex<IdMap<u32, Arc<Slot>>>,
     /// Held by the one waiter polling the completion queue.
     poller: Mutex<()>,
 }
@@ -832,7 +832,7 @@ impl QueuePair {
             max_outstanding,
             posted: AtomicU32::new(0),
             next_slot: AtomicU32::new(1),
-            slots: Mutex::new(HashMap::new()),
+            slots: Mutex::new(IdMap::default()),
             poller: Mutex::new(()),
         }))
     }
@@ -1467,7 +1467,7 @@ impl Run {
         loop {
             // what fits goes out as chains, one doorbell each
             while self.failure.is_none() && self.next < self.ops.len() {
-                let want = (self.ops.len() - self.next).min(raw::CHAIN) as u32;
+                let want = (self.ops.len() - self.next).min(chain_len()) as u32;
                 let k = qp.reserve_up_to(want) as usize;
                 if k == 0 {
                     break;
@@ -1580,6 +1580,18 @@ impl Run {
             }
         }
     }
+}
+
+/// Work requests per doorbell: [`raw::CHAIN`], or fewer with `OMNIRIG_RDMA_CHAIN=N` (1..=16),
+/// to measure chain lengths against each other in one VM.
+fn chain_len() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("OMNIRIG_RDMA_CHAIN")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(raw::CHAIN, |n| n.clamp(1, raw::CHAIN))
+    })
 }
 
 /// A [`Run`]'s wait ([`Run::waiter`]).
