@@ -29,14 +29,6 @@ impl Hasher for IdHasher {
         }
     }
 
-    fn write_u8(&mut self, n: u8) {
-        self.add(u64::from(n));
-    }
-
-    fn write_u16(&mut self, n: u16) {
-        self.add(u64::from(n));
-    }
-
     fn write_u32(&mut self, n: u32) {
         self.add(u64::from(n));
     }
