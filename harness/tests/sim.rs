@@ -425,3 +425,35 @@ fn the_host_model_charges_time_and_replays() {
     );
     assert!(free.report.passed());
 }
+
+/// Every fabric shipped in `harness/fabrics/` parses (with its `cpu:` section, where it has
+/// one) and carries a golden request bit-exact in a simulated run.
+#[test]
+fn every_shipped_fabric_parses_and_carries_a_request() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fabrics");
+    let mut seen = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "yaml") {
+            continue;
+        }
+        let (fabric, cpu) =
+            sim::fabric_file_from_path(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut s = Scenario::golden("text_short", TransportKind::Sim);
+        s.fabric = Some(fabric);
+        s.cpu = cpu;
+        let r = sim::run(&s, Some(1)).unwrap();
+        assert!(
+            r.report.passed(),
+            "{}: {}",
+            path.display(),
+            r.report.summary_text()
+        );
+        seen.push(path.file_name().unwrap().to_string_lossy().into_owned());
+    }
+    seen.sort();
+    assert!(
+        seen.contains(&"softroce-2vm.yaml".to_string()) && seen.len() >= 3,
+        "{seen:?}"
+    );
+}
