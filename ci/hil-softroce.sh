@@ -31,27 +31,12 @@ echo "hil-softroce: built in $((SECONDS - t0)) s; booting two VMs"
 cat > "$out/vm.sh" << 'EOF'
 set -uo pipefail
 exe=$PWD/target/debug/omnirig node=vm$SOFTROCE_NODE R=$SOFTROCE_RUN out=$HIL_OUT
-echo "$SOFTROCE_GID_INDEX" > "$R/gid.$SOFTROCE_NODE"
-softroce_barrier gids || exit 1
+. ci/softroce-cluster.sh
+softroce_publish_gid || exit 1
 if [ "$SOFTROCE_NODE" = 0 ]; then
   "$exe" metadata-server --listen 10.77.0.1:18080 > "$out/metadata.log" 2>&1 &
-  cat > "$out/cluster.yaml" << YAML
-# written by ci/hil-softroce.sh: two soft-RoCE VMs, stages alternating so every hop crosses
-name: softroce-2vm
-coordinator: {address: 10.77.0.1}
-metadata: {kind: http, url: "http://10.77.0.1:18080/metadata"}
-nodes:
-  - name: vm0
-    host: 10.77.0.1
-    rdma: {device: rxe0, port: 1, gid_index: $(cat "$R/gid.0")}
-    netdev: $SOFTROCE_NETDEV
-    stages: [encoder, thinker_decode, code2wav]
-  - name: vm1
-    host: 10.77.0.2
-    rdma: {device: rxe0, port: 1, gid_index: $(cat "$R/gid.1")}
-    netdev: $SOFTROCE_NETDEV
-    stages: [thinker_prefill, talker]
-YAML
+  softroce_cluster_yaml softroce-2vm "written by ci/hil-softroce.sh: two soft-RoCE VMs, stages alternating so every hop crosses" \
+    > "$out/cluster.yaml"
 fi
 softroce_barrier cluster || exit 1
 # The agent relays its stage processes' stderr to its own (the coordinator has them log the

@@ -32,8 +32,8 @@ cat > "$out/vm.sh" << 'EOF'
 set -uo pipefail
 exe=$PWD/target/release/omnirig node=vm$SOFTROCE_NODE R=$SOFTROCE_RUN out=$SIM_OUT
 gid=$SOFTROCE_GID_INDEX
-echo "$gid" > "$R/gid.$SOFTROCE_NODE"
-softroce_barrier gids || exit 1
+. ci/softroce-cluster.sh
+softroce_publish_gid || exit 1
 # the link: VM 1 serves, VM 0 measures (one server per test; each exits after its client)
 perf() { # TOOL SIZE ITERS PORT
   if [ "$SOFTROCE_NODE" = 1 ]; then
@@ -53,23 +53,8 @@ perf ib_write_lat 8 2000 18902
 softroce_barrier perftest || exit 1
 if [ "$SOFTROCE_NODE" = 0 ]; then
   "$exe" metadata-server --listen 10.77.0.1:18080 > "$out/metadata.log" 2>&1 &
-  cat > "$out/cluster.yaml" << YAML
-# written by ci/sim-validate-softroce.sh: two soft-RoCE VMs, stages alternating
-name: softroce-2vm
-coordinator: {address: 10.77.0.1}
-metadata: {kind: http, url: "http://10.77.0.1:18080/metadata"}
-nodes:
-  - name: vm0
-    host: 10.77.0.1
-    rdma: {device: rxe0, port: 1, gid_index: $(cat "$R/gid.0")}
-    netdev: $SOFTROCE_NETDEV
-    stages: [encoder, thinker_decode, code2wav]
-  - name: vm1
-    host: 10.77.0.2
-    rdma: {device: rxe0, port: 1, gid_index: $(cat "$R/gid.1")}
-    netdev: $SOFTROCE_NETDEV
-    stages: [thinker_prefill, talker]
-YAML
+  softroce_cluster_yaml softroce-2vm "written by ci/sim-validate-softroce.sh: two soft-RoCE VMs, stages alternating" \
+    > "$out/cluster.yaml"
   t=$SECONDS
   "$exe" simulate --calibrate-cpu --calibrate-mib 16 --out "$out/cal" > "$out/calibrate.log" 2>&1 \
     || { echo "calibration failed"; tail "$out/calibrate.log"; }
