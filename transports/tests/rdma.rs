@@ -1170,6 +1170,42 @@ fn several_runs_share_a_queue_pair_bit_exact() {
     });
     assert!(!a.is_error());
     assert!(contents(&target) == contents(&src), "bytes differ");
+    // one completion per chain of 16 freed every entry before it
+    assert_eq!(a.in_flight(), 0, "send queue entries left in use");
+}
+
+/// A chain the provider takes only in part (it refuses request #8 of 16: two scatter entries
+/// where the queue pair allows one). Only a chain's last request is signaled, so the last one
+/// taken would never say it finished: the run must still fail at once naming the refusal,
+/// leave no send queue entry in use (its drain heard of every request it posted), and nothing
+/// from the refused request on reaches the target.
+#[test]
+fn a_chain_taken_in_part_fails_drains_and_frees_its_entries() {
+    let Some(dev) = device("a_chain_taken_in_part_fails_drains_and_frees_its_entries") else {
+        return;
+    };
+    let (a, _b) = pair(&dev);
+    let target = region(1 << 20, |_| 0);
+    let grant = FencedGrant::register(&dev, &target, 0, 1 << 20, RemoteAccess::ReadWrite).unwrap();
+    let src = region(1 << 20, pattern(9));
+    let src_mr = Arc::new(dev.register(&src, 0, 1 << 20, RemoteAccess::Read).unwrap());
+    a.refuse_in_chains_at(Some(8));
+    let e = a
+        .run(
+            &ops(true, &src_mr, &grant.key(), 0, 1 << 20, 65536),
+            deadline(),
+        )
+        .expect_err("a chain refused at #8 must fail");
+    assert_eq!(e.kind(), ErrorKind::Resource, "{e}");
+    assert!(e.detail().contains("refused at #8"), "{e}");
+    assert!(a.is_error());
+    assert_eq!(a.in_flight(), 0, "send queue entries left in use: {e}");
+    let t = contents(&target);
+    assert!(
+        t[8 * 65536..].iter().all(|&x| x == 0),
+        "bytes from the refused request on were written"
+    );
+    println!("RESULT chain taken in part: {e}");
 }
 
 /// A run refused by the device (a write past its grant) moves the shared queue pair to ERROR:
@@ -1226,6 +1262,7 @@ fn a_failed_run_flushes_the_runs_beside_it_and_names_its_status() {
         Ok(()) => assert!(t[..1 << 20] == contents(&src)[..1 << 20], "bytes differ"),
         Err(e) => assert!(verbs::flushed(e), "{e}"),
     }
+    assert_eq!(a.in_flight(), 0, "send queue entries left in use");
     println!("RESULT shared queue pair: refused run {e}; the run beside it: {g:?}");
 }
 

@@ -719,6 +719,13 @@ pub struct QueuePair {
     max_outstanding: u32,
     /// Send queue entries in use: posted, completion not yet reaped.
     posted: AtomicU32,
+    /// The ids of the work requests on the send queue, in the order they were posted (pushed
+    /// under the `qp` lock). Only the last of a chain is signaled; a send queue completes in
+    /// order, so a completion frees its own entry and every one before it.
+    on_queue: Mutex<std::collections::VecDeque<u64>>,
+    /// A test's hook: the request at this index of the next chains is refused by the provider
+    /// ([`refuse_in_chains_at`](Self::refuse_in_chains_at)).
+    refuse_at: std::sync::atomic::AtomicUsize,
     next_slot: AtomicU32,
     slots: Mutex<IdMap<u32, Arc<Slot>>>,
     /// Held by the one waiter polling the completion queue.
@@ -781,8 +788,14 @@ impl Slot {
 
 /// The slot a work request id names, and the operation's index within it.
 fn split_wr_id(wr_id: u64) -> (u32, u32) {
-    ((wr_id >> 32) as u32, wr_id as u32)
+    ((wr_id >> 32) as u32, wr_id as u32 & !MARKER)
 }
+
+/// Set in a work request id's operation index: a signaled copy of that operation posted after
+/// its queue pair went to ERROR, so its completion (flushed) says the device is done with
+/// every request before it ([`QueuePair::post_chain`]). Its own id, so it frees its own send
+/// queue entry.
+const MARKER: u32 = 1 << 31;
 
 impl std::fmt::Debug for QueuePair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -831,10 +844,28 @@ impl QueuePair {
             psn: u32::from_le_bytes(psn) & 0x00ff_ffff,
             max_outstanding,
             posted: AtomicU32::new(0),
+            on_queue: Mutex::new(std::collections::VecDeque::with_capacity(
+                max_outstanding as usize,
+            )),
+            refuse_at: std::sync::atomic::AtomicUsize::new(usize::MAX),
             next_slot: AtomicU32::new(1),
             slots: Mutex::new(IdMap::default()),
             poller: Mutex::new(()),
         }))
+    }
+
+    /// Send queue entries in use: requests posted whose completion (their own, or a later
+    /// one's) was not reaped yet. Zero once every run on the queue pair finished.
+    pub fn in_flight(&self) -> u32 {
+        self.posted.load(Ordering::Acquire)
+    }
+
+    /// For tests: from now on the provider refuses the request at `index` of every chain
+    /// posted here (`None`: none), so a chain is taken only in part, as a real refusal would.
+    #[doc(hidden)]
+    pub fn refuse_in_chains_at(&self, index: Option<usize>) {
+        self.refuse_at
+            .store(index.unwrap_or(usize::MAX), Ordering::Relaxed);
     }
 
     pub fn qpn(&self) -> u32 {
@@ -957,6 +988,10 @@ impl QueuePair {
     /// device will neither read nor write any memory through it again.
     pub fn set_error(&self) -> Result<()> {
         let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        self.set_error_locked(&mut qp)
+    }
+
+    fn set_error_locked(&self, qp: &mut BasicQueuePair) -> Result<()> {
         let mut a = QueuePairAttribute::new();
         a.setup_state(QueuePairState::Error);
         qp.modify(&a).map_err(|e| {
@@ -970,13 +1005,22 @@ impl QueuePair {
 
     fn post(&self, wr: raw::SendWr) -> Result<()> {
         let qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        // queued before the post: on rxe the request may complete (and be routed) before
+        // ibv_post_send returns
+        self.queued().push_back(wr.wr_id());
         raw::post_send(&qp, wr).map_err(|e| {
+            // the last one queued: no one else posts while the queue pair is locked
+            self.queued().pop_back();
             self.device.err(
                 Some(self.port),
                 &format!("post {} on queue pair {}", wr.what(), qp.qp_number()),
                 e,
             )
         })
+    }
+
+    fn queued(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<u64>> {
+        self.on_queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Takes one send queue entry, if one is free.
@@ -1004,11 +1048,51 @@ impl QueuePair {
     /// (one doorbell); gives back the entries of those the device did not take. Returns how
     /// many it took, and the refusal if it did not take them all.
     fn post_chain(&self, wrs: &[raw::RdmaWr]) -> (usize, Result<()>) {
-        let qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
-        let (taken, r) = raw::post_rdma_chain(&qp, wrs);
-        if taken < wrs.len() {
-            self.posted
-                .fetch_sub((wrs.len() - taken) as u32, Ordering::AcqRel);
+        let mut qp = self.qp.lock().unwrap_or_else(|p| p.into_inner());
+        // under the queue pair's lock, so this order is the send queue's; queued before the
+        // post, as in `post`
+        let n = wrs.len().min(raw::CHAIN);
+        self.queued().extend(wrs[..n].iter().map(|w| w.wr_id));
+        let refuse_at = self.refuse_at.load(Ordering::Relaxed);
+        let (taken, r) = raw::post_rdma_chain(&qp, &wrs[..n], refuse_at);
+        let mut unused = wrs.len() - taken;
+        if taken < n {
+            // the ones the device did not take are the last queued, and no completion names
+            // them
+            let mut q = self.queued();
+            let keep = q.len() - (n - taken);
+            q.truncate(keep);
+        }
+        if taken > 0 && taken < n && !signal_all() {
+            // The last request taken is not signaled: if it succeeds, nothing would ever say
+            // so, and a drain could not tell when the device is done with its memory. So,
+            // with the queue pair in ERROR (the run fails anyway), the same request goes once
+            // more, signaled, on one of the entries given back: it is flushed, never executed,
+            // and its completion comes after every request before it.
+            let last = raw::RdmaWr {
+                wr_id: wrs[taken - 1].wr_id | MARKER as u64,
+                ..wrs[taken - 1]
+            };
+            let marked = self.set_error_locked(&mut qp).is_ok() && {
+                self.queued().push_back(last.wr_id);
+                let (m, _) = raw::post_rdma_chain(&qp, &[last], usize::MAX);
+                if m == 0 {
+                    self.queued().pop_back();
+                }
+                m == 1
+            };
+            if marked {
+                unused -= 1;
+            } else {
+                tracing::error!(
+                    "rdma: queue pair {}: a chain was refused at #{taken} and no marker could \
+                     follow it; its drain waits for its bound",
+                    qp.qp_number()
+                );
+            }
+        }
+        if unused > 0 {
+            self.posted.fetch_sub(unused as u32, Ordering::AcqRel);
         }
         let r = r.map_err(|e| {
             self.device.err(
@@ -1144,16 +1228,27 @@ impl QueuePair {
     }
 
     /// Hands reaped completions to the slots their ids name, waking their owners, and frees
-    /// their send queue entries (every request is posted signaled, so each completes exactly
-    /// once), waking owners waiting for one.
+    /// their send queue entries, waking owners waiting for one. Only a chain's last request is
+    /// signaled (a failed or flushed one completes whether signaled or not), and a send queue
+    /// completes in order: a completion frees its entry and every entry posted before it.
     fn route(&self, got: &[Completion]) {
         if got.is_empty() {
             return;
         }
+        let mut freed = 0u32;
+        {
+            let mut q = self.queued();
+            for c in got {
+                if let Some(at) = q.iter().position(|&id| id == c.wr_id) {
+                    q.drain(..=at);
+                    freed += at as u32 + 1;
+                }
+            }
+        }
         let _ = self
             .posted
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                Some(n.saturating_sub(got.len() as u32))
+                Some(n.saturating_sub(freed))
             });
         let slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let mut woken: Vec<u32> = Vec::new();
@@ -1218,7 +1313,7 @@ impl QueuePair {
                 ));
             }
         }
-        if ops.len() > u32::MAX as usize {
+        if ops.len() > MARKER as usize {
             return Err(Error::new(
                 ErrorKind::InvalidLength,
                 format!("rdma: {} work requests in one run", ops.len()),
@@ -1231,6 +1326,7 @@ impl QueuePair {
             slot,
             ops,
             next: 0,
+            reaped: 0,
             outstanding: 0,
             failure: None,
             deadline,
@@ -1242,10 +1338,12 @@ impl QueuePair {
         })
     }
 
-    /// Moves to ERROR (when anything is outstanding) and waits until `outstanding` completions
-    /// of `slot` (flushed or not) came back. Other runs on the queue pair are flushed too.
-    fn drain(&self, slot: &Slot, mut outstanding: u32) -> Result<()> {
-        if outstanding == 0 {
+    /// Moves to ERROR (when anything is outstanding) and waits until the completion of
+    /// `slot`'s operation `next - 1` (flushed or not) came back: its operations complete in
+    /// order, so from `reaped` (the first not yet heard of) up to it, every one is then done.
+    /// Other runs on the queue pair are flushed too.
+    fn drain(&self, slot: &Slot, mut reaped: u32, next: u32) -> Result<()> {
+        if reaped >= next {
             return Ok(());
         }
         self.set_error()?;
@@ -1255,7 +1353,10 @@ impl QueuePair {
         loop {
             done.clear();
             slot.take(&mut done);
-            outstanding = outstanding.saturating_sub(done.len() as u32);
+            for c in &done {
+                reaped = reaped.max(split_wr_id(c.wr_id).1.saturating_add(1));
+            }
+            let outstanding = next.saturating_sub(reaped);
             if outstanding == 0 {
                 return Ok(());
             }
@@ -1311,7 +1412,7 @@ impl QueuePair {
                 break;
             }
             if Instant::now() >= deadline {
-                self.drain(slot, 1)?;
+                self.drain(slot, 0, 1)?;
                 return Err(timed_out("did not complete"));
             }
             self.wait_progress(slot, deadline, FOR_COMPLETIONS)?;
@@ -1382,7 +1483,11 @@ pub struct Run {
     id: u32,
     slot: Arc<Slot>,
     ops: Vec<RemoteOp>,
+    /// The first operation not yet posted.
     next: usize,
+    /// The first operation not yet heard of: a completion names the last of a chain (or one
+    /// that failed or was flushed), and every operation before it is done too.
+    reaped: usize,
     outstanding: u32,
     failure: Option<Error>,
     deadline: Instant,
@@ -1450,8 +1555,11 @@ impl Run {
         if r.is_err() && self.outstanding > 0 {
             // an error before every posted request came back (a failed wait on the channel):
             // the device must be done with the memory before anyone hears of the failure
-            let n = std::mem::take(&mut self.outstanding);
-            if let Err(e) = self.qp.drain(&self.slot, n) {
+            self.outstanding = 0;
+            if let Err(e) = self
+                .qp
+                .drain(&self.slot, self.reaped as u32, self.next as u32)
+            {
                 tracing::error!("rdma: {e}");
             }
         }
@@ -1532,8 +1640,8 @@ impl Run {
                             qp.qpn()
                         ),
                     );
-                    let n = std::mem::take(&mut self.outstanding);
-                    qp.drain(&self.slot, n)?;
+                    self.outstanding = 0;
+                    qp.drain(&self.slot, self.reaped as u32, self.next as u32)?;
                     return Err(self.failure.take().unwrap_or(e));
                 }
                 if now >= until {
@@ -1553,10 +1661,17 @@ impl Run {
             }
             for i in 0..self.done.len() {
                 let c = self.done[i];
-                self.outstanding = self.outstanding.saturating_sub(1);
-                // a queue pair completes its requests in order: the successes are a prefix
-                if c.ok() && self.failure.is_none() {
-                    self.completed += 1;
+                let at = split_wr_id(c.wr_id).1 as usize;
+                if at < self.reaped {
+                    continue; // heard of already (cannot happen: completions come in order)
+                }
+                // a queue pair completes its requests in order: those before `at` not heard
+                // of succeeded silently (unsignaled), so the successes are a prefix
+                let newly = at + 1 - self.reaped;
+                self.reaped = at + 1;
+                self.outstanding = self.outstanding.saturating_sub(newly as u32);
+                if self.failure.is_none() {
+                    self.completed += if c.ok() { newly } else { newly - 1 };
                 }
                 if !c.ok() && self.failure.is_none() {
                     self.failed_op = Some(split_wr_id(c.wr_id).1 as usize);
@@ -1594,6 +1709,13 @@ fn chain_len() -> usize {
     })
 }
 
+/// `OMNIRIG_RDMA_SIGNAL=all` signals every request of a chain, not only its last: to measure
+/// what the completions cost against each other in one VM.
+fn signal_all() -> bool {
+    static ALL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALL.get_or_init(|| std::env::var("OMNIRIG_RDMA_SIGNAL").is_ok_and(|v| v == "all"))
+}
+
 /// A [`Run`]'s wait ([`Run::waiter`]).
 pub struct RunWaiter {
     qp: Arc<QueuePair>,
@@ -1614,7 +1736,9 @@ impl Drop for Run {
         if !self.finished {
             if self.outstanding > 0 {
                 // the device must not touch these buffers once they may be reused
-                let _ = self.qp.drain(&self.slot, self.outstanding);
+                let _ = self
+                    .qp
+                    .drain(&self.slot, self.reaped as u32, self.next as u32);
             }
             self.qp.close_slot(self.id);
         }
@@ -1728,6 +1852,12 @@ mod raw {
                 SendWr::LocalInv { .. } => "LOCAL_INV",
             }
         }
+
+        pub fn wr_id(&self) -> u64 {
+            match *self {
+                SendWr::Bind { wr_id, .. } | SendWr::LocalInv { wr_id, .. } => wr_id,
+            }
+        }
     }
 
     /// Posts one signaled bind / invalidate work request (RDMA WRITE / READ go through
@@ -1794,17 +1924,24 @@ mod raw {
     /// Work requests [`post_rdma_chain`] posts with one call (one doorbell).
     pub const CHAIN: usize = 16;
 
-    /// Posts up to [`CHAIN`] signaled RDMA work requests as one linked list: one
-    /// `ibv_post_send`, so one doorbell (on rxe, one system call) for all of them. Returns how
-    /// many the provider took (all of them unless it refused one: then the ones before it).
+    /// Posts up to [`CHAIN`] RDMA work requests as one linked list: one `ibv_post_send`, so one
+    /// doorbell (on rxe, one system call) for all of them. Only the last is signaled: a send
+    /// queue completes in order, so its completion says the others succeeded too, and a
+    /// request that fails (or is flushed) completes whether signaled or not. Returns how many
+    /// the provider took (all of them unless it refused one: then the ones before it).
+    ///
+    /// `refuse_at` (a test's hook, `usize::MAX` for none) gives the request at that index two
+    /// scatter entries where the queue pair allows one, so the provider really refuses it.
     pub fn post_rdma_chain(
         qp: &BasicQueuePair,
         wrs: &[RdmaWr],
+        refuse_at: usize,
     ) -> (usize, Result<(), std::io::Error>) {
         let n = wrs.len().min(CHAIN);
         if n == 0 {
             return (0, Ok(()));
         }
+        let signal_all = super::signal_all();
         // SAFETY: ibv_send_wr and ibv_sge are plain C structs; all-zero is a valid value.
         let mut ws: [sys::ibv_send_wr; CHAIN] = unsafe { std::mem::zeroed() };
         // SAFETY: as above: a plain C struct, all-zero valid.
@@ -1817,25 +1954,41 @@ mod raw {
             };
             let w = &mut ws[i];
             w.wr_id = r.wr_id;
-            w.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            if i + 1 == n || signal_all {
+                w.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+            }
             w.opcode = if r.write {
                 sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE
             } else {
                 sys::ibv_wr_opcode::IBV_WR_RDMA_READ
             };
-            w.num_sge = 1;
+            w.num_sge = if i == refuse_at { 2 } else { 1 };
             w.wr.rdma = sys::rdma_t {
                 remote_addr: r.remote_addr,
                 rkey: r.rkey,
             };
         }
+        // the hook's request names its own entry and an empty one (if a provider took it
+        // anyway, it would move the same bytes)
+        let mut refused = [
+            sges[refuse_at.min(CHAIN - 1)],
+            sys::ibv_sge {
+                addr: 0,
+                length: 0,
+                lkey: 0,
+            },
+        ];
         // linked through raw pointers only, after every element was written
         let wp = ws.as_mut_ptr();
         let sp = sges.as_mut_ptr();
         for i in 0..n {
             // SAFETY: i and i + 1 < CHAIN index the two stack arrays, which outlive the call.
             unsafe {
-                (*wp.add(i)).sg_list = sp.add(i);
+                (*wp.add(i)).sg_list = if i == refuse_at {
+                    refused.as_mut_ptr()
+                } else {
+                    sp.add(i)
+                };
                 (*wp.add(i)).next = if i + 1 < n {
                     wp.add(i + 1)
                 } else {
