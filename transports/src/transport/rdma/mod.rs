@@ -35,7 +35,10 @@ pub struct RdmaConfig {
     pub port: u8,
     /// GID index to send from; `None`: the first RoCEv2 IPv4 GID (or first GID on IB).
     pub gid_index: Option<u32>,
-    /// Work requests in flight per queue pair.
+    /// Work requests in flight per queue pair. Default 32: two chains of 16. Only a chain's
+    /// last request is signaled, so its entries come back all at once; with room for one
+    /// chain only, the send queue runs dry while that completion is reaped and the next chain
+    /// posted (docs/rdma.md, "One completion per chain").
     pub max_outstanding: u32,
     /// Queue pairs per peer link (lanes): slices of concurrent tasks run on different queue
     /// pairs at once. Default 1: with more, a peer that died and came back costs each lane one
@@ -66,7 +69,7 @@ impl Default for RdmaConfig {
             device: None,
             port: 1,
             gid_index: None,
-            max_outstanding: 16,
+            max_outstanding: 32,
             queue_pairs_per_peer: 1,
             runs_per_queue_pair: 8,
             work_request_size: 256 << 10,
