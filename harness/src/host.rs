@@ -491,6 +491,12 @@ pub struct Calibration {
     pub copy_ns_per_byte: f64,
     /// What each copying thread itself spent on a CPU per byte (Linux), for the record.
     pub copy_thread_cpu_ns_per_byte: Option<f64>,
+    /// The decode stage's KV check over the same bytes as it runs it, block by block (each
+    /// block that arrived digested, each expected block generated and digested), and the
+    /// block size: the model charges it as generate + 2 x digest at the bulk rates; this
+    /// says whether working block by block costs more (a record, not a charge).
+    pub kv_verify_ns_per_byte: f64,
+    pub kv_block_bytes: u64,
     pub message_us: f64,
     /// Control round trip over TCP on 127.0.0.1, median, microseconds.
     pub round_trip_us: f64,
@@ -561,6 +567,34 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
             .to_hex()
             .as_bytes()[0];
     });
+    // The decode stage's KV check, as it runs it: the blocks that arrived digested one by one,
+    // the expected blocks generated and digested one by one (Qwen3-Omni's thinker block).
+    let card = omnirig_fixtures::ModelCard::qwen3_omni();
+    // in bf16 elements, as the generator above makes them (the thinker's KV dtype is bf16)
+    let kv_block_bytes = omnirig_fixtures::ShapeOptions::default().block_tokens
+        * u64::from(card.thinker.num_kv_heads)
+        * card.thinker.head_dim
+        * 2;
+    let mut matched = true;
+    let kv_verify = timed(|| {
+        let got = omnirig_fixtures::digest::block_digests_of_bytes(
+            std::hint::black_box(&buf),
+            kv_block_bytes as usize,
+        );
+        match omnirig_fixtures::block_digests(&generator, kv_block_bytes / 2) {
+            Ok(want) => matched &= want == got,
+            Err(e) => failed = Some(e),
+        }
+    });
+    if let Some(e) = failed {
+        return Err(io(e));
+    }
+    // the same generator made `buf`: a check that finds a difference is not the stage's check
+    if !matched {
+        return Err(std::io::Error::other(
+            "calibration: the KV check found blocks that differ from what was generated",
+        ));
+    }
     std::hint::black_box(sink);
 
     let listener = TcpListener::bind("127.0.0.1:0")?;
@@ -639,6 +673,8 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         digest_ns_per_byte: per(digest),
         copy_ns_per_byte: per(copies[1]),
         copy_thread_cpu_ns_per_byte: threads.get(threads.len() / 2).map(|&x| per(x)),
+        kv_verify_ns_per_byte: per(kv_verify),
+        kv_block_bytes,
         message_us: rtt_us / 4.0,
         round_trip_us: rtt_us,
         wake_us: 0.0,
@@ -677,7 +713,8 @@ impl Calibration {
         let mut y = format!(
             "# Measured by `omnirig simulate --calibrate-cpu` over {} MiB and {} round trips:\n\
              # generate {:.2} GB/s, XXH3-128 {:.2} GB/s, tcp copy {:.2} GB/s, round trip {:.1} us.\n\
-             cpu:\n  generate_ns_per_byte: {:.4}\n  digest_ns_per_byte: {:.4}\n  copy_ns_per_byte: {:.4}\n  message_us: {:.2}\n",
+             cpu:\n  generate_ns_per_byte: {:.4}\n  digest_ns_per_byte: {:.4}\n  copy_ns_per_byte: {:.4}\n  message_us: {:.2}\n\
+             \x20 # the KV check block by block ({} KiB blocks): {:.4} ns/B; charged as generate + 2 x digest\n",
             self.bytes >> 20,
             self.round_trips,
             gbs(self.generate_ns_per_byte),
@@ -688,6 +725,8 @@ impl Calibration {
             self.digest_ns_per_byte,
             self.copy_ns_per_byte,
             self.message_us,
+            self.kv_block_bytes >> 10,
+            self.kv_verify_ns_per_byte,
         );
         if let Some(w) = &self.wake_from {
             y += &format!(

@@ -385,6 +385,15 @@ fn the_calibration_parses_back_as_a_fabric() {
         "{section}"
     );
     assert_eq!(cpu.hosts[0].nodes.len(), nodes.len());
+    // the decode stage's KV check, recorded beside the bulk rates (not a charge)
+    assert!(
+        c.kv_verify_ns_per_byte > 0.0 && c.kv_block_bytes == 16 << 10,
+        "{c:?}"
+    );
+    assert!(
+        section.contains("the KV check block by block (16 KiB blocks)"),
+        "{section}"
+    );
     // Two parked processes per cold round trip: each wake is half the difference.
     assert_eq!(cpu.wake_us, 120.0, "{section}");
 }
