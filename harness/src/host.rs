@@ -569,19 +569,20 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
     });
     // The decode stage's KV check, as it runs it: the blocks that arrived digested one by one,
     // the expected blocks generated and digested one by one (Qwen3-Omni's thinker block).
-    let card = omnirig_fixtures::ModelCard::qwen3_omni();
-    // in bf16 elements, as the generator above makes them (the thinker's KV dtype is bf16)
+    let t = omnirig_fixtures::ModelCard::qwen3_omni().thinker;
     let kv_block_bytes = omnirig_fixtures::ShapeOptions::default().block_tokens
-        * u64::from(card.thinker.num_kv_heads)
-        * card.thinker.head_dim
-        * 2;
+        * u64::from(t.num_kv_heads)
+        * t.head_dim
+        * t.kv_dtype.size_bytes() as u64;
+    // the expected blocks in the generator's elements, so both sides cut the same bytes
+    let kv_block_elements = kv_block_bytes / generator.dtype().size_bytes() as u64;
     let mut matched = true;
     let kv_verify = timed(|| {
         let got = omnirig_fixtures::digest::block_digests_of_bytes(
             std::hint::black_box(&buf),
             kv_block_bytes as usize,
         );
-        match omnirig_fixtures::block_digests(&generator, kv_block_bytes / 2) {
+        match omnirig_fixtures::block_digests(&generator, kv_block_elements) {
             Ok(want) => matched &= want == got,
             Err(e) => failed = Some(e),
         }

@@ -98,6 +98,29 @@ fn ops(
         .collect()
 }
 
+/// A zeroed `len`-byte target with a read-write grant over all of it, and a `len`-byte
+/// source filled with `pattern(seed)`, registered for the device to read.
+fn granted_pair(
+    dev: &Arc<Device>,
+    len: usize,
+    seed: u64,
+) -> (
+    Arc<Region>,
+    FencedGrant,
+    Arc<Region>,
+    Arc<MemoryRegistration>,
+) {
+    let target = region(len, |_| 0);
+    let grant =
+        FencedGrant::register(dev, &target, 0, len as u64, RemoteAccess::ReadWrite).unwrap();
+    let src = region(len, pattern(seed));
+    let src_mr = Arc::new(
+        dev.register(&src, 0, len as u64, RemoteAccess::Read)
+            .unwrap(),
+    );
+    (target, grant, src, src_mr)
+}
+
 fn median_us(mut v: Vec<Duration>) -> f64 {
     v.sort();
     v[v.len() / 2].as_secs_f64() * 1e6
@@ -430,10 +453,7 @@ fn a_deadline_moves_the_queue_pair_to_error_and_drains_it() {
         return;
     };
     let (a, b) = pair(&dev);
-    let target = region(1 << 20, |_| 0);
-    let grant = FencedGrant::register(&dev, &target, 0, 1 << 20, RemoteAccess::ReadWrite).unwrap();
-    let src = region(1 << 20, pattern(2));
-    let src_mr = Arc::new(dev.register(&src, 0, 1 << 20, RemoteAccess::Read).unwrap());
+    let (_target, grant, _src, src_mr) = granted_pair(&dev, 1 << 20, 2);
     // the peer's queue pair dies silently: no acknowledgement ever comes back
     b.set_error().unwrap();
     let t = Instant::now();
@@ -472,10 +492,7 @@ fn a_dead_peer_fails_by_retry_exceeded_or_the_deadline() {
         return;
     };
     let (a, b) = pair(&dev);
-    let target = region(4096, |_| 0);
-    let grant = FencedGrant::register(&dev, &target, 0, 4096, RemoteAccess::ReadWrite).unwrap();
-    let src = region(4096, pattern(3));
-    let src_mr = Arc::new(dev.register(&src, 0, 4096, RemoteAccess::Read).unwrap());
+    let (target, grant, _src, src_mr) = granted_pair(&dev, 4096, 3);
     // ~67 ms per try, 7 retries: what connect set, as the device reports it
     assert_eq!(a.retry_attributes().unwrap(), (14, 7, 7));
     b.set_error().unwrap();
@@ -1151,10 +1168,7 @@ fn several_runs_share_a_queue_pair_bit_exact() {
         return;
     };
     let (a, _b) = pair(&dev);
-    let target = region(4 << 20, |_| 0);
-    let grant = FencedGrant::register(&dev, &target, 0, 4 << 20, RemoteAccess::ReadWrite).unwrap();
-    let src = region(4 << 20, pattern(7));
-    let src_mr = Arc::new(dev.register(&src, 0, 4 << 20, RemoteAccess::Read).unwrap());
+    let (target, grant, src, src_mr) = granted_pair(&dev, 4 << 20, 7);
     // 4 runs of 16 requests each, all started before any is pumped: 64 requests for the queue
     // pair's 16 send queue entries
     let mut runs: Vec<_> = (0..4)
@@ -1185,10 +1199,7 @@ fn a_chain_taken_in_part_fails_drains_and_frees_its_entries() {
         return;
     };
     let (a, _b) = pair(&dev);
-    let target = region(1 << 20, |_| 0);
-    let grant = FencedGrant::register(&dev, &target, 0, 1 << 20, RemoteAccess::ReadWrite).unwrap();
-    let src = region(1 << 20, pattern(9));
-    let src_mr = Arc::new(dev.register(&src, 0, 1 << 20, RemoteAccess::Read).unwrap());
+    let (target, grant, _src, src_mr) = granted_pair(&dev, 1 << 20, 9);
     a.refuse_in_chains_at(Some(8));
     let e = a
         .run(
@@ -1273,10 +1284,7 @@ fn a_canceled_run_moves_the_queue_pair_to_error_and_drains_it() {
         return;
     };
     let (a, b) = pair(&dev);
-    let target = region(1 << 20, |_| 0);
-    let grant = FencedGrant::register(&dev, &target, 0, 1 << 20, RemoteAccess::ReadWrite).unwrap();
-    let src = region(1 << 20, pattern(4));
-    let src_mr = Arc::new(dev.register(&src, 0, 1 << 20, RemoteAccess::Read).unwrap());
+    let (target, grant, _src, src_mr) = granted_pair(&dev, 1 << 20, 4);
     b.set_error().unwrap(); // nothing will complete
     let cancel = std::sync::atomic::AtomicBool::new(true);
     let e = a
