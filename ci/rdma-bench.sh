@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The engine over rdma beside perftest, in one soft-RoCE VM: `omnirig bench transfer --transport
-# rdma` RUNS times. Each run times the whole engine (batches, grants, slicing: what the product
-# runs) between two perftest runs (ib_write_bw, ib_write_lat) on the same device and prints its
-# ratios against the better perftest figure; this prints each ratio's median and spread.
+# The engine over rdma beside perftest, in one soft-RoCE VM (or across two: RDMA_BENCH_VMS=2):
+# `omnirig bench transfer --transport rdma` RUNS times. Each run times the whole engine
+# (batches, grants, slicing: what the product runs) between perftest runs (ib_write_bw,
+# ib_write_lat) on the same device or link and prints its ratios against perftest's median;
+# this prints each ratio's median and spread over the runs.
 #
 #   ci/rdma-bench.sh [RUNS] [SECONDS] [--paired]
 #       runs (default 3); seconds per ib_write_bw point (default 2); --paired: each run also
@@ -13,6 +14,10 @@
 #   RDMA_BENCH_ROUNDS=N (default 1): each run interleaves N engine runs with N + 1 perftest runs
 #       (`bench transfer --rounds N`) and reports the median engine run against perftest's
 #       median; its lines also give the ratio against the best perftest run
+#   RDMA_BENCH_VMS=2: across two VMs (two RoCE nodes on a virtual link) instead of one: VM 1
+#       runs `omnirig bench peer --mode rdma-engine` (the target engine, and perftest's servers
+#       on request), VM 0 `bench transfer --peer`, so the engine and perftest cross the same
+#       link. Smaller budget (the link runs at 15-60 MB/s)
 #
 # Builds the release binary on the host first (the VM runs host binaries; OMNIRIG_BENCH_BIN
 # names one already built instead). Bandwidth ratios are
@@ -44,18 +49,36 @@ fi
 mkdir -p target/rdma-bench
 out=$PWD/target/rdma-bench/$(date +%Y%m%d-%H%M%S).log
 t0=$SECONDS
-ci/softroce.sh run --timeout $((120 + runs * ${#variants[@]} * rounds * 240)) -- "set -o pipefail
+vms=${RDMA_BENCH_VMS:-1}
+[[ $vms == 1 || $vms == 2 ]] || { echo "RDMA_BENCH_VMS is 1 or 2, not $vms" >&2; exit 2; }
+budget="--budget 256M --max-iters 2000"
+# two VMs: VM 1 serves one benchmark per run and variant (a peer exits after each); VM 0's
+# output is the log (the softroce script prints VM 1's after it, under its own header)
+peer_loop=""
+if [[ $vms == 2 ]]; then
+  budget="--budget 64M --max-iters 1000"
+  peer_loop="if [ \$SOFTROCE_NODE = 1 ]; then
+  for k in \$(seq $((runs * ${#variants[@]}))); do
+    $omnirig bench peer --mode rdma-engine --listen \$SOFTROCE_IP:7471 --max-size 1M --wait-s 600 || exit 1
+  done
+  exit 0
+fi
+peer=\"--peer \$SOFTROCE_PEER_IP:7471\""
+fi
+ci/softroce.sh run --vms "$vms" --timeout $((120 + runs * ${#variants[@]} * rounds * 240)) -- "set -o pipefail
+peer=
+$peer_loop
 for i in \$(seq $runs); do
   for v in ${variants[*]@Q}; do
     label=\${v%%:*}; spec=\${v#*:}; envs=(); args=()
     for w in \$spec; do [[ \$w == *=* ]] && envs+=(\"\$w\") || args+=(\"\$w\"); done
     echo \"== run \$i of $runs variant \$label\"
-    env \"\${envs[@]}\" $omnirig bench transfer --transport rdma --sizes 8,64K,1M --budget 256M \\
-      --max-iters 2000 --perftest-seconds $secs --rounds $rounds \"\${args[@]}\" 2> /tmp/bench.err \\
+    env \"\${envs[@]}\" $omnirig bench transfer --transport rdma --sizes 8,64K,1M $budget \\
+      --perftest-seconds $secs --rounds $rounds \$peer \"\${args[@]}\" 2> /tmp/bench.err \\
       | sed \"s/^ratio /ratio[\$label] /\" || { cat /tmp/bench.err >&2; exit 1; }
   done
 done" | tee "$out"
-echo "== $runs runs in $((SECONDS - t0)) s (VM boot included), log $out; median (min-max) over the runs:"
+echo "== $runs runs on $vms VM(s) in $((SECONDS - t0)) s (VM boot included), log $out; median (min-max) over the runs:"
 python3 - "$out" << 'PY'
 import re, statistics, sys
 ratios = {}

@@ -6,7 +6,11 @@ pub mod cpus;
 pub mod gpu;
 pub mod hop;
 pub mod peer;
+#[cfg(feature = "rdma")]
+pub mod perftest;
 pub mod pipeline;
+#[cfg(feature = "rdma")]
+pub mod remote;
 pub mod transfer;
 
 use std::time::Duration;

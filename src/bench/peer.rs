@@ -29,6 +29,9 @@ pub enum PeerMode {
     ShmEngine,
     /// A plain TCP socket: the physical baseline.
     Raw,
+    /// An omnirig rdma engine on another node, for `bench transfer --transport rdma --peer`
+    /// (`bench::remote`).
+    RdmaEngine,
 }
 
 /// Raw protocol: 1 byte op ('W' or 'R'; lower case: block instead of busy-polling) + u64 LE
@@ -84,6 +87,9 @@ pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()
                 tokio::task::spawn_blocking(wait_for_stdin_eof).await?;
                 anyhow::Ok(())
             })
+        }
+        PeerMode::RdmaEngine => {
+            bail!("an rdma-engine peer runs on another node (bench::remote::serve)")
         }
         PeerMode::Raw => {
             let listener = TcpListener::bind("127.0.0.1:0")?;
@@ -230,6 +236,7 @@ impl PeerProcess {
             PeerMode::Engine => "engine",
             PeerMode::ShmEngine => "shm-engine",
             PeerMode::Raw => "raw",
+            PeerMode::RdmaEngine => bail!("an rdma-engine peer runs on another node"),
         };
         let mut cmd = Command::new(exe);
         if let Some(c) = cpu {

@@ -13,6 +13,8 @@ use omnirig_transports::{
 };
 
 use super::peer::{PeerMode, PeerProcess, RAW_HEADER, read_exact_polled, write_all_polled};
+#[cfg(feature = "rdma")]
+use super::perftest;
 use super::{Results, Row, Samples, human_size, iterations};
 
 #[derive(Debug, Clone)]
@@ -41,6 +43,12 @@ pub struct Options {
     /// Pause before each timed transfer (and each raw round trip), so a peer that parks
     /// between requests, as a pipeline stage does, is measured cold. Zero: back to back.
     pub gap: Duration,
+    /// rdma: the far node's `omnirig bench peer --mode rdma-engine` (None: both engines here).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub peer: Option<std::net::SocketAddr>,
+    /// rdma: how long to wait for that peer to come up.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub peer_wait: Duration,
 }
 
 /// The tokio runtime the benchmark's engine runs on.
@@ -134,15 +142,8 @@ async fn in_process(o: &Options, max: u64, kind: TransportKind) -> anyhow::Resul
     let cfg = |n: &str| {
         let c = EngineConfig::for_kind(n, kind).store(store.clone());
         #[cfg(feature = "rdma")]
-        if kind == TransportKind::Rdma
-            && (o.completion_spin.is_some() || o.max_outstanding.is_some())
-        {
-            let d = omnirig_transports::RdmaConfig::default();
-            return c.with(omnirig_transports::RdmaConfig {
-                completion_spin: o.completion_spin.unwrap_or(d.completion_spin),
-                max_outstanding: o.max_outstanding.unwrap_or(d.max_outstanding),
-                ..d
-            });
+        if kind == TransportKind::Rdma {
+            return c.with(rdma_config(o));
         }
         c
     };
@@ -173,6 +174,9 @@ const LATENCY_BELOW: u64 = 4096;
 async fn rdma(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     #[cfg(feature = "rdma")]
     {
+        if let Some(addr) = o.peer {
+            return rdma_two_nodes(o, max, addr).await;
+        }
         let (lat, bw): (Vec<u64>, Vec<u64>) = o.sizes.iter().partition(|&&s| s < LATENCY_BELOW);
         match perftest::device() {
             Err(why) => {
@@ -189,7 +193,13 @@ async fn rdma(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
                         i + 1,
                         rounds + 1
                     ));
-                    figures.push(perftest::measure(&dev, &bw, &lat, o.perftest_seconds)?);
+                    figures.push(perftest::measure(
+                        &dev,
+                        &mut perftest::Server::Local,
+                        &bw,
+                        &lat,
+                        o.perftest_seconds,
+                    )?);
                     if i < rounds {
                         progress(&format!("engine ({} of {rounds})", i + 1));
                         runs.push(in_process(o, max, TransportKind::Rdma).await?);
@@ -210,6 +220,113 @@ async fn rdma(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         // the engine refuses: this build has no rdma transport (it says how to get one)
         in_process(o, max, TransportKind::Rdma).await
     }
+}
+
+/// The engines' rdma config: the defaults, with the bench's overrides.
+#[cfg(feature = "rdma")]
+fn rdma_config(o: &Options) -> omnirig_transports::RdmaConfig {
+    let d = omnirig_transports::RdmaConfig::default();
+    omnirig_transports::RdmaConfig {
+        completion_spin: o.completion_spin.unwrap_or(d.completion_spin),
+        max_outstanding: o.max_outstanding.unwrap_or(d.max_outstanding),
+        ..d
+    }
+}
+
+/// rdma across two nodes: this node's engine writes into and reads from the buffers of the
+/// engine of `omnirig bench peer --mode rdma-engine` at `addr`, and perftest's client here
+/// runs against servers that peer starts, so both cross the same link. Rounds interleave as
+/// in one node; at the end the peer confirms every byte of its write buffer arrived.
+#[cfg(feature = "rdma")]
+async fn rdma_two_nodes(
+    o: &Options,
+    max: u64,
+    addr: std::net::SocketAddr,
+) -> anyhow::Result<Vec<Row>> {
+    use super::perftest::Server;
+    use super::remote::{PeerControl, WRITTEN, engine_config};
+
+    progress(&format!("connecting to the bench peer at {addr}"));
+    let mut peer = PeerControl::connect(addr, o.peer_wait)?;
+    let wg = peer
+        .hello
+        .write_grant
+        .clone()
+        .context("peer sent no write grant")?;
+    let rg = peer
+        .hello
+        .read_grant
+        .clone()
+        .context("peer sent no read grant")?;
+    if wg.len < max || rg.len < max {
+        bail!(
+            "the bench peer grants {} bytes; --sizes up to {max} need `--max-size {max}` (or \
+             more) on the peer",
+            wg.len.min(rg.len)
+        );
+    }
+    let name = format!("bench-{}", std::process::id());
+    let a = Arc::new(Engine::new(engine_config(name, peer.local_ip()?, rdma_config(o))).await?);
+    let info = a.connect_addr(peer.hello.addr).await?;
+    progress(&format!(
+        "engine peer at {} over {} ({})",
+        peer.hello.addr, info.transport, info.device
+    ));
+    let src = a.allocate(max)?;
+    src.fill(0, max, |x| x.fill(WRITTEN))?;
+    let landing = a.allocate(max)?;
+    let (lat, bw): (Vec<u64>, Vec<u64>) = o.sizes.iter().partition(|&&s| s < LATENCY_BELOW);
+    let dev = perftest::device();
+    if let Err(why) = &dev {
+        progress(&format!("no perftest baseline: {why}"));
+    }
+    let rounds = if dev.is_ok() { o.rounds.max(1) } else { 1 };
+    let (mut figures, mut runs) = (Vec::new(), Vec::new());
+    for i in 0..=rounds {
+        if let Ok(dev) = &dev {
+            progress(&format!(
+                "perftest across the link ({} of {}): ib_write_bw, ib_write_lat",
+                i + 1,
+                rounds + 1
+            ));
+            let mut server = Server::Remote(&mut peer);
+            figures.push(perftest::measure(
+                dev,
+                &mut server,
+                &bw,
+                &lat,
+                o.perftest_seconds,
+            )?);
+        }
+        if i < rounds {
+            progress(&format!("engine ({} of {rounds})", i + 1));
+            let rows = rows_against_memcpy(
+                TransportKind::Rdma,
+                o,
+                max,
+                &a,
+                (&src, &wg),
+                (&landing, &rg),
+            )
+            .await?;
+            runs.push(rows);
+        }
+    }
+    check_peer_pattern(&landing, o, TransportKind::Rdma)?;
+    let differing = peer.check_written(max, WRITTEN)?;
+    if differing != 0 {
+        bail!("{differing} of the peer's {max} written bytes are not what this node wrote");
+    }
+    peer.bye();
+    let mut rows = median_rows(runs)?;
+    if !figures.is_empty() {
+        against_perftest(
+            &mut rows,
+            &perftest::Figures::median(&figures),
+            &perftest::Figures::best_of(&figures),
+        );
+    }
+    Ok(rows)
 }
 
 /// Row by row, the median of several runs of the same suite: by p50 for latency sizes, by
@@ -706,221 +823,10 @@ fn rdma_verdicts(r: &Results) -> Vec<String> {
     out
 }
 
-/// perftest's `ib_write_bw` / `ib_write_lat` on the device the rdma engines use, in this run:
-/// the physical baseline of `bench transfer --transport rdma` (run where the perftest binaries
-/// are installed, e.g. in the soft-RoCE VM of `ci/softroce.sh`).
-#[cfg(feature = "rdma")]
-mod perftest {
-    use std::net::TcpListener;
-    use std::process::{Command, Stdio};
-    use std::time::Duration;
-
-    use anyhow::{Context, bail};
-    use omnirig_transports::RdmaConfig;
-    use omnirig_transports::transport::rdma::link::RdmaNode;
-
-    /// Device and GID index the engines' default rdma config selects (perftest must use the
-    /// same ones).
-    pub struct Device {
-        name: String,
-        gid_index: u32,
-    }
-
-    /// What perftest measured: `ib_write_bw`'s average MiB/s per size, `ib_write_lat`'s
-    /// t_typical (half a ping-pong round trip) in microseconds per size.
-    #[derive(Debug, Default, Clone)]
-    pub struct Figures {
-        pub bw_mib_s: Vec<(u64, f64)>,
-        pub lat_half_rtt_us: Vec<(u64, f64)>,
-    }
-
-    impl Figures {
-        /// Per size, `pick` over the runs' figures (runs that lack a size are left out).
-        fn combine(runs: &[Figures], pick: impl Fn(&mut Vec<f64>) -> f64) -> Figures {
-            let per = |get: fn(&Figures) -> &Vec<(u64, f64)>| -> Vec<(u64, f64)> {
-                let Some(first) = runs.first() else {
-                    return Vec::new();
-                };
-                get(first)
-                    .iter()
-                    .map(|&(size, _)| {
-                        let mut v: Vec<f64> = runs
-                            .iter()
-                            .filter_map(|f| get(f).iter().find(|(s, _)| *s == size))
-                            .map(|x| x.1)
-                            .collect();
-                        (size, pick(&mut v))
-                    })
-                    .collect()
-            };
-            Figures {
-                bw_mib_s: per(|f| &f.bw_mib_s),
-                lat_half_rtt_us: per(|f| &f.lat_half_rtt_us),
-            }
-        }
-
-        /// The median figure per size over the runs (of an even count, the mean of the
-        /// middle two): perftest's own run-to-run spread under TCG is 2x, so one engine run
-        /// against the best of several perftest runs reads low by chance alone.
-        pub fn median(runs: &[Figures]) -> Figures {
-            Self::combine(runs, |v| crate::bench::median(v))
-        }
-
-        /// The best figure per size over the runs: the most bandwidth, the least latency.
-        pub fn best_of(runs: &[Figures]) -> Figures {
-            let mut f = Self::combine(runs, |v| v.iter().copied().fold(f64::MIN, f64::max));
-            f.lat_half_rtt_us =
-                Self::combine(runs, |v| v.iter().copied().fold(f64::MAX, f64::min)).lat_half_rtt_us;
-            f
-        }
-
-        pub fn bw(&self, size: u64) -> Option<f64> {
-            self.bw_mib_s.iter().find(|(s, _)| *s == size).map(|x| x.1)
-        }
-
-        pub fn lat(&self, size: u64) -> Option<f64> {
-            self.lat_half_rtt_us
-                .iter()
-                .find(|(s, _)| *s == size)
-                .map(|x| x.1)
-        }
-    }
-
-    /// Why perftest cannot run here (binaries or device missing), or the device to run it on.
-    pub fn device() -> Result<Device, String> {
-        for tool in ["ib_write_bw", "ib_write_lat"] {
-            let found = Command::new(tool)
-                .arg("--help")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok();
-            if !found {
-                return Err(format!(
-                    "{tool} not found (install perftest; ci/rdma-bench.sh runs this in the \
-                     soft-RoCE VM)"
-                ));
-            }
-        }
-        let node = RdmaNode::open(RdmaConfig::default()).map_err(|e| e.to_string())?;
-        Ok(Device {
-            name: node.device().name().to_string(),
-            gid_index: node.gid_index(),
-        })
-    }
-
-    /// `ib_write_bw` for each of `bw_sizes` (`seconds` each) and `ib_write_lat` for each of
-    /// `lat_sizes`, server and client on `dev`, one after the other.
-    pub fn measure(
-        dev: &Device,
-        bw_sizes: &[u64],
-        lat_sizes: &[u64],
-        seconds: u64,
-    ) -> anyhow::Result<Figures> {
-        let mut f = Figures::default();
-        let secs = seconds.max(1).to_string();
-        for &s in bw_sizes {
-            let size = s.to_string();
-            let v = figure(dev, "ib_write_bw", &["-s", &size, "-D", &secs], s, 3)?;
-            f.bw_mib_s.push((s, v));
-        }
-        for &s in lat_sizes {
-            let size = s.to_string();
-            let v = figure(dev, "ib_write_lat", &["-s", &size, "-n", "2000"], s, 4)?;
-            f.lat_half_rtt_us.push((s, v));
-        }
-        Ok(f)
-    }
-
-    /// One perftest figure; a run that reports none (under TCG on a loaded host,
-    /// `ib_write_bw -D` now and then counts 0 iterations, sometimes several times in a row) is
-    /// repeated, at most four times.
-    fn figure(
-        dev: &Device,
-        tool: &str,
-        args: &[&str],
-        size: u64,
-        index: usize,
-    ) -> anyhow::Result<f64> {
-        let mut last = None;
-        for _ in 0..5 {
-            match run(dev, tool, args).and_then(|line| column(&line, size, index, tool)) {
-                Ok(v) => return Ok(v),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.expect("five tries"))
-    }
-
-    /// The `index`th figure of perftest's result line, which must be for `size` bytes.
-    fn column(line: &str, size: u64, index: usize, tool: &str) -> anyhow::Result<f64> {
-        let cols: Vec<&str> = line.split_whitespace().collect();
-        if cols.first().and_then(|c| c.parse::<u64>().ok()) != Some(size) {
-            bail!("{tool}: result line {line:?} is not for {size} bytes");
-        }
-        cols.get(index)
-            .and_then(|c| c.parse::<f64>().ok())
-            .filter(|v| v.is_finite() && *v > 0.0)
-            .with_context(|| format!("{tool}: no figure in column {index} of {line:?}"))
-    }
-
-    /// Runs `tool`'s server in the background and its client against it (over 127.0.0.1 for
-    /// perftest's own handshake; the data moves over the device), and returns the client's
-    /// result line (the one under `#bytes`).
-    fn run(dev: &Device, tool: &str, args: &[&str]) -> anyhow::Result<String> {
-        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let common = |c: &mut Command| {
-            c.args(["-d", &dev.name, "-x", &dev.gid_index.to_string(), "-F"])
-                .args(["-p", &port.to_string()])
-                .args(args);
-        };
-        let mut server = Command::new(tool);
-        common(&mut server);
-        let mut server = server
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("start {tool} server"))?;
-        let mut last = String::new();
-        let mut line = None;
-        // the server needs a moment to listen; the client says so when it came too early
-        for _ in 0..60 {
-            std::thread::sleep(Duration::from_millis(300));
-            let mut client = Command::new(tool);
-            common(&mut client);
-            let out = client
-                .arg("127.0.0.1")
-                .output()
-                .with_context(|| format!("run {tool} client"))?;
-            last = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            if out.status.success() {
-                line = last
-                    .lines()
-                    .skip_while(|l| !l.trim_start().starts_with("#bytes"))
-                    .nth(1)
-                    .map(|l| l.trim().to_string());
-                break;
-            }
-            if !last.contains("Couldn't connect") {
-                break;
-            }
-        }
-        if line.is_none() {
-            let _ = server.kill();
-        }
-        let _ = server.wait();
-        line.with_context(|| format!("{tool} {} failed: {last}", args.join(" ")))
-    }
-}
-
 #[cfg(all(test, feature = "rdma"))]
 mod tests {
-    use super::perftest::Figures;
     use super::*;
+    use crate::bench::perftest::Figures;
 
     fn figures(bw: f64, lat: f64) -> Figures {
         Figures {

@@ -19,8 +19,8 @@ pub enum BenchCmd {
     /// End-to-end five-stage request latency (p50/p99) and throughput against concurrency:
     /// tensor-native hops against the current path (five Python processes, pickle over ZMQ).
     Pipeline(PipelineArgs),
-    /// (internal) The far side of a two-process benchmark.
-    #[command(hide = true)]
+    /// The far side of a benchmark: started by `bench transfer` itself for tcp and shm; for
+    /// rdma across two nodes, run it on the far node (`--mode rdma-engine --listen ADDR`).
     Peer(PeerArgs),
 }
 
@@ -192,23 +192,44 @@ pub struct TransferArgs {
     /// models). 0: back to back.
     #[arg(long, default_value_t = 0)]
     gap_us: u64,
+    /// rdma across two nodes: the far node's `omnirig bench peer --mode rdma-engine --listen
+    /// ADDR` (ADDR as this node reaches it). The engine here writes into and reads from that
+    /// peer's engine, and perftest runs across the same link (its servers started by the
+    /// peer). Without it, both engines share this node's device.
+    #[arg(long)]
+    peer: Option<std::net::SocketAddr>,
+    /// Seconds to wait for `--peer` to come up.
+    #[arg(long, default_value_t = 120)]
+    peer_wait_s: u64,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct PeerArgs {
+    /// engine, shm-engine, raw: the child of a tcp/shm benchmark on this host; rdma-engine:
+    /// the far node of `bench transfer --transport rdma --peer ADDR` (needs --listen).
     #[arg(long, value_enum)]
     mode: peer::PeerMode,
+    /// Bytes of each granted buffer (K/M/G suffixes).
     #[arg(long)]
-    max_size: u64,
-    #[arg(long)]
+    max_size: String,
+    #[arg(long, default_value_t = TcpConfig::default().slice_size)]
     slice_size: u64,
-    #[arg(long)]
+    #[arg(long, default_value_t = TcpConfig::default().max_payload)]
     max_payload: u64,
-    #[arg(long)]
+    #[arg(long, default_value_t = 50)]
     busy_poll_us: u64,
     /// Pin the peer to this CPU.
     #[arg(long)]
     cpu: Option<usize>,
+    /// rdma-engine: the address to serve the benchmark on (this node's address on the link).
+    #[arg(long)]
+    listen: Option<std::net::SocketAddr>,
+    /// rdma-engine: seconds to wait for the benchmark to connect before giving up.
+    #[arg(long, default_value_t = 300)]
+    wait_s: u64,
+    /// rdma-engine: work requests in flight per queue pair (default: the engine's).
+    #[arg(long)]
+    max_outstanding: Option<u32>,
 }
 
 /// The pipeline suite's default requests: the interactive golden cases (the 144 MiB and 300 MiB
@@ -259,7 +280,15 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     _ => transfer::Runtime::Current,
                 }),
                 gap: std::time::Duration::from_micros(a.gap_us),
+                peer: a.peer,
+                peer_wait: std::time::Duration::from_secs(a.peer_wait_s),
             };
+            if a.peer.is_some() && a.transport != TransportKind::Rdma {
+                anyhow::bail!(
+                    "--peer is for --transport rdma across two nodes (tcp and shm start their \
+                     peer on this host)"
+                );
+            }
             let results = transfer::run(&opts)?;
             print!("{}", results.table());
             for v in transfer::verdicts(&results) {
@@ -343,9 +372,32 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
             if let Some(c) = p.cpu {
                 bench::cpus::pin(c)?;
             }
+            let max_size = one_size(&p.max_size, "max-size")?;
+            if p.mode == peer::PeerMode::RdmaEngine {
+                let listen = p.listen.context(
+                    "--mode rdma-engine needs --listen ADDR (this node's address on the link)",
+                )?;
+                #[cfg(feature = "rdma")]
+                {
+                    let d = omnirig_transports::RdmaConfig::default();
+                    return bench::remote::serve(
+                        listen,
+                        max_size,
+                        omnirig_transports::RdmaConfig {
+                            max_outstanding: p.max_outstanding.unwrap_or(d.max_outstanding),
+                            ..d
+                        },
+                        std::time::Duration::from_secs(p.wait_s),
+                    );
+                }
+                #[cfg(not(feature = "rdma"))]
+                anyhow::bail!(
+                    "--mode rdma-engine (on {listen}) needs a build with `--features rdma`"
+                );
+            }
             peer::serve(
                 p.mode,
-                p.max_size,
+                max_size,
                 TcpConfig {
                     slice_size: p.slice_size,
                     max_payload: p.max_payload,

@@ -100,6 +100,8 @@ fn measure_wake() -> anyhow::Result<omnirig_harness::host::WakeSample> {
             max_outstanding: None,
             runtime: transfer::Runtime::Multi,
             gap,
+            peer: None,
+            peer_wait: std::time::Duration::ZERO,
         };
         let r = transfer::run(&o)?;
         let w = r
