@@ -82,8 +82,9 @@ impl Figures {
     }
 }
 
-/// Why perftest cannot run here (binaries or device missing), or the device to run it on.
-pub fn device() -> Result<Device, String> {
+/// Why perftest cannot run here (binaries or device missing), or the device to run it on: the
+/// one the engines' `cfg` selects.
+pub fn device(cfg: &RdmaConfig) -> Result<Device, String> {
     for tool in ["ib_write_bw", "ib_write_lat"] {
         let found = Command::new(tool)
             .arg("--help")
@@ -98,7 +99,7 @@ pub fn device() -> Result<Device, String> {
             ));
         }
     }
-    let node = RdmaNode::open(RdmaConfig::default()).map_err(|e| e.to_string())?;
+    let node = RdmaNode::open(cfg.clone()).map_err(|e| e.to_string())?;
     Ok(Device {
         name: node.device().name().to_string(),
         gid_index: node.gid_index(),
@@ -245,12 +246,12 @@ fn command(dev: &Device, req: &ServerRequest, port: u16) -> anyhow::Result<Comma
     Ok(c)
 }
 
-/// Starts `req`'s server on this host's device, on a free port (a remote peer's side);
+/// Starts `req`'s server on the device `cfg` selects, on a free port (a remote peer's side);
 /// returns it and the port.
-pub fn start_server(req: &ServerRequest) -> anyhow::Result<(Child, u16)> {
+pub fn start_server(req: &ServerRequest, cfg: &RdmaConfig) -> anyhow::Result<(Child, u16)> {
     // what arrived is checked before anything is looked up or started
     req.args()?;
-    let dev = device().map_err(anyhow::Error::msg)?;
+    let dev = device(cfg).map_err(anyhow::Error::msg)?;
     let port = TcpListener::bind("0.0.0.0:0")?.local_addr()?.port();
     let child = command(&dev, req, port)?
         .stdout(Stdio::null())

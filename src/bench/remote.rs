@@ -114,10 +114,8 @@ impl PeerControl {
         let stream = loop {
             match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
                 Ok(s) => break s,
-                Err(e) if Instant::now() < until => {
-                    let _ = e;
-                    std::thread::sleep(Duration::from_millis(500));
-                }
+                // the far node may still be starting its peer
+                Err(_) if Instant::now() < until => std::thread::sleep(Duration::from_millis(500)),
                 Err(e) => {
                     return Err(e).with_context(|| {
                         format!(
@@ -199,7 +197,7 @@ pub fn serve(
         .build()?;
     rt.block_on(async move {
         let name = format!("bench-peer-{}", std::process::id());
-        let engine = Engine::new(engine_config(name, listen.ip(), rdma)).await?;
+        let engine = Engine::new(engine_config(name, listen.ip(), rdma.clone())).await?;
         let wbuf = engine.allocate(max_size)?;
         let rbuf = engine.allocate(max_size)?;
         rbuf.fill(0, max_size, |b| {
@@ -220,8 +218,10 @@ pub fn serve(
         );
         let engine = std::sync::Arc::new(engine);
         let e = engine.clone();
-        tokio::task::spawn_blocking(move || session(&listener, &hello, &e, &wbuf, max_size, wait))
-            .await??;
+        tokio::task::spawn_blocking(move || {
+            session(&listener, &hello, &e, &rdma, &wbuf, max_size, wait)
+        })
+        .await??;
         anyhow::Ok(())
     })
 }
@@ -231,6 +231,7 @@ fn session(
     listener: &TcpListener,
     hello: &Hello,
     engine: &Engine,
+    rdma: &RdmaConfig,
     wbuf: &Buffer,
     max_size: u64,
     wait: Duration,
@@ -266,7 +267,7 @@ fn session(
             ToPeer::Bye => break Ok(()),
             ToPeer::Perftest(r) => {
                 reap(&mut server);
-                match perftest::start_server(&r) {
+                match perftest::start_server(&r, rdma) {
                     Ok((child, port)) => {
                         server = Some(child);
                         FromPeer::Perftest { port }
@@ -365,7 +366,15 @@ mod tests {
         let engine = std::sync::Arc::new(engine);
         let (e, h, b) = (engine.clone(), hello.clone(), wbuf.clone());
         let peer = std::thread::spawn(move || {
-            session(&listener, &h, &e, &b, 4096, Duration::from_secs(30))
+            session(
+                &listener,
+                &h,
+                &e,
+                &RdmaConfig::default(),
+                &b,
+                4096,
+                Duration::from_secs(30),
+            )
         });
         let mut c = tokio::task::spawn_blocking(move || {
             PeerControl::connect(addr, Duration::from_secs(10))

@@ -49,6 +49,21 @@ pub struct Options {
     /// rdma: how long to wait for that peer to come up.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub peer_wait: Duration,
+    /// rdma: the device and GID index the engines (and perftest) use; unset, the engine's
+    /// defaults (the first device, the first RoCEv2 IPv4 GID).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub rdma: RdmaDevice,
+}
+
+/// `--rdma-device` / `--rdma-gid-index`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct RdmaDevice {
+    /// rdma: the device to use (`ibv_devices`; default: the first).
+    #[arg(long = "rdma-device")]
+    pub device: Option<String>,
+    /// rdma: the GID index to send from (`show_gids`; default: the first RoCEv2 IPv4 GID).
+    #[arg(long = "rdma-gid-index")]
+    pub gid_index: Option<u32>,
 }
 
 /// The tokio runtime the benchmark's engine runs on.
@@ -178,7 +193,7 @@ async fn rdma(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
             return rdma_two_nodes(o, max, addr).await;
         }
         let (lat, bw): (Vec<u64>, Vec<u64>) = o.sizes.iter().partition(|&&s| s < LATENCY_BELOW);
-        match perftest::device() {
+        match perftest::device(&rdma_config(o)) {
             Err(why) => {
                 progress(&format!("no perftest baseline: {why}"));
                 in_process(o, max, TransportKind::Rdma).await
@@ -229,6 +244,8 @@ fn rdma_config(o: &Options) -> omnirig_transports::RdmaConfig {
     omnirig_transports::RdmaConfig {
         completion_spin: o.completion_spin.unwrap_or(d.completion_spin),
         max_outstanding: o.max_outstanding.unwrap_or(d.max_outstanding),
+        device: o.rdma.device.clone().or(d.device),
+        gid_index: o.rdma.gid_index.or(d.gid_index),
         ..d
     }
 }
@@ -276,7 +293,7 @@ async fn rdma_two_nodes(
     src.fill(0, max, |x| x.fill(WRITTEN))?;
     let landing = a.allocate(max)?;
     let (lat, bw): (Vec<u64>, Vec<u64>) = o.sizes.iter().partition(|&&s| s < LATENCY_BELOW);
-    let dev = perftest::device();
+    let dev = perftest::device(&rdma_config(o));
     if let Err(why) = &dev {
         progress(&format!("no perftest baseline: {why}"));
     }

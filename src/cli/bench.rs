@@ -201,6 +201,8 @@ pub struct TransferArgs {
     /// Seconds to wait for `--peer` to come up.
     #[arg(long, default_value_t = 120)]
     peer_wait_s: u64,
+    #[command(flatten)]
+    rdma: transfer::RdmaDevice,
 }
 
 #[derive(clap::Args, Debug)]
@@ -230,6 +232,8 @@ pub struct PeerArgs {
     /// rdma-engine: work requests in flight per queue pair (default: the engine's).
     #[arg(long)]
     max_outstanding: Option<u32>,
+    #[command(flatten)]
+    rdma: transfer::RdmaDevice,
 }
 
 /// The pipeline suite's default requests: the interactive golden cases (the 144 MiB and 300 MiB
@@ -282,6 +286,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 gap: std::time::Duration::from_micros(a.gap_us),
                 peer: a.peer,
                 peer_wait: std::time::Duration::from_secs(a.peer_wait_s),
+                rdma: a.rdma.clone(),
             };
             if a.peer.is_some() && a.transport != TransportKind::Rdma {
                 anyhow::bail!(
@@ -385,6 +390,8 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                         max_size,
                         omnirig_transports::RdmaConfig {
                             max_outstanding: p.max_outstanding.unwrap_or(d.max_outstanding),
+                            device: p.rdma.device.clone().or(d.device.clone()),
+                            gid_index: p.rdma.gid_index.or(d.gid_index),
                             ..d
                         },
                         std::time::Duration::from_secs(p.wait_s),

@@ -102,6 +102,7 @@ fn measure_wake() -> anyhow::Result<omnirig_harness::host::WakeSample> {
             gap,
             peer: None,
             peer_wait: std::time::Duration::ZERO,
+            rdma: Default::default(),
         };
         let r = transfer::run(&o)?;
         let w = r
