@@ -45,6 +45,11 @@ pub struct CpuSpec {
     pub copy_ns_per_byte: f64,
     #[serde(default)]
     pub message_us: f64,
+    /// The decode stage's KV check (blocks that arrived digested in its pool, expected blocks
+    /// generated and digested), per byte, as `--calibrate-cpu` measures it in a pool; unset,
+    /// it is charged as generate + 2 x digest. Under TCG it costs 1.7x that (docs/sim.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_check_ns_per_byte: Option<f64>,
     /// Scheduling delay, in microseconds, before a stage process that has been parked
     /// resumes: a control message or a transfer reaching it, or a transfer's completion
     /// reaching the process that waited for it. Latency, not work: no core is busy.
@@ -71,6 +76,7 @@ impl Default for CpuSpec {
             digest_ns_per_byte: 0.0,
             copy_ns_per_byte: 0.0,
             message_us: 0.0,
+            kv_check_ns_per_byte: None,
             wake_us: 0.0,
             park_us: default_park_us(),
             cores: 0,
@@ -106,6 +112,11 @@ impl CpuSpec {
             if !(v.is_finite() && (0.0..=max).contains(&v)) {
                 return Err(format!("cpu.{field}: {v} is not in [0, {max:e}]"));
             }
+        }
+        if let Some(v) = self.kv_check_ns_per_byte
+            && !(v.is_finite() && v > 0.0 && v <= 1e6)
+        {
+            return Err(format!("cpu.kv_check_ns_per_byte: {v} is not in (0, 1e6]"));
         }
         if self.cores > MAX_CORES {
             return Err(format!(
@@ -446,6 +457,16 @@ impl StageCpu {
         self.host.run(self.cpu.work(bytes, per)).await;
     }
 
+    /// Verifying `bytes` of KV blocks that arrived in the decode stage's pool: against the
+    /// remembered digests, a digest of what arrived; otherwise the KV check at its own
+    /// measured rate where the host model has one.
+    pub async fn verify_kv(&self, bytes: u64, remembered: bool) {
+        match self.cpu.spec().kv_check_ns_per_byte {
+            Some(per) if !remembered => self.host.run(self.cpu.work(bytes, per)).await,
+            _ => self.verify(bytes, remembered, false).await,
+        }
+    }
+
     /// A transfer's copies: `bytes` on this host (send) and on the peer's (receive), both
     /// running beside the transfer itself.
     pub async fn copy(&self, bytes: u64) {
@@ -491,11 +512,15 @@ pub struct Calibration {
     pub copy_ns_per_byte: f64,
     /// What each copying thread itself spent on a CPU per byte (Linux), for the record.
     pub copy_thread_cpu_ns_per_byte: Option<f64>,
-    /// The decode stage's KV check over the same bytes as it runs it, block by block (each
-    /// block that arrived digested, each expected block generated and digested), and the
-    /// block size: the model charges it as generate + 2 x digest at the bulk rates; this
-    /// says whether working block by block costs more (a record, not a charge).
+    /// The decode stage's KV check over one plain buffer, block by block (each block that
+    /// arrived digested, each expected block generated and digested), and the block size: a
+    /// record beside the bulk rates (a charge of generate + 2 x digest).
     pub kv_verify_ns_per_byte: f64,
+    /// The same check over the same number of bytes landed in an engine's registered buffer
+    /// in the decode stage's pool layout (per layer K then V, each block read through
+    /// `Buffer::view`, as the stage reads it): memory, layout and leases included. Printed
+    /// as the `cpu:` section's `kv_check_ns_per_byte`, the KV hop's charge.
+    pub kv_verify_pool_ns_per_byte: f64,
     pub kv_block_bytes: u64,
     pub message_us: f64,
     /// Control round trip over TCP on 127.0.0.1, median, microseconds.
@@ -590,6 +615,7 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
     if let Some(e) = failed {
         return Err(io(e));
     }
+    let kv_verify_pool = kv_check_in_pool(bytes, kv_block_bytes, generator.dtype())?;
     // the same generator made `buf`: a check that finds a difference is not the stage's check
     if !matched {
         return Err(std::io::Error::other(
@@ -675,6 +701,7 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         copy_ns_per_byte: per(copies[1]),
         copy_thread_cpu_ns_per_byte: threads.get(threads.len() / 2).map(|&x| per(x)),
         kv_verify_ns_per_byte: per(kv_verify),
+        kv_verify_pool_ns_per_byte: kv_verify_pool,
         kv_block_bytes,
         message_us: rtt_us / 4.0,
         round_trip_us: rtt_us,
@@ -684,6 +711,82 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         bytes,
         round_trips: round_trips.max(1),
     })
+}
+
+/// The decode stage's KV check as the stage runs it, in ns per byte: about `bytes` of KV
+/// blocks landed in an engine buffer laid out as the stage's pool (per layer, K then V, each
+/// a run of blocks in a pool twice the size), each block read through `Buffer::view` and
+/// digested, each tensor's expected blocks generated and digested; the median of three.
+fn kv_check_in_pool(
+    bytes: u64,
+    block_bytes: u64,
+    dtype: omnirig_fixtures::DType,
+) -> std::io::Result<f64> {
+    use omnirig_transports::{Engine, EngineConfig, InProcessStore, TransportKind};
+    let io = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
+    let layers = omnirig_fixtures::ModelCard::qwen3_omni().thinker.num_layers;
+    let blocks = (bytes / (u64::from(layers) * 2 * block_bytes)).max(1);
+    let geo = crate::kv::KvGeometry {
+        num_layers: layers,
+        capacity: (blocks * 2) as u32,
+        block_bytes,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let engine = rt
+        .block_on(Engine::new(
+            EngineConfig::for_kind("calibrate-kv", TransportKind::Loopback)
+                .store(InProcessStore::new()),
+        ))
+        .map_err(|e| io(&e))?;
+    let pool = engine.allocate(geo.buffer_bytes()).map_err(|e| io(&e))?;
+    let elements = blocks * block_bytes / dtype.size_bytes() as u64;
+    let generators: Vec<_> = (0..layers * 2)
+        .map(|t| {
+            omnirig_fixtures::TensorSpec::new(
+                "calibrate-kv",
+                dtype,
+                vec![elements],
+                omnirig_fixtures::ValueRange::Any,
+            )
+            .map(|spec| omnirig_fixtures::TensorGenerator::new(u64::from(t) + 7, &spec))
+            .map_err(|e| io(&e))
+        })
+        .collect::<std::io::Result<_>>()?;
+    // what landed: each tensor's blocks where the stage's pool keeps them
+    for (t, g) in generators.iter().enumerate() {
+        let bytes = g.generate();
+        for b in 0..blocks {
+            let at = (b * block_bytes) as usize;
+            let off = geo.offset(t as u32 / 2, t % 2 == 1, b as u32);
+            pool.write(off, &bytes[at..at + block_bytes as usize])
+                .map_err(|e| io(&e))?;
+        }
+    }
+    let block_elements = block_bytes / dtype.size_bytes() as u64;
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let t0 = std::time::Instant::now();
+        for (t, g) in generators.iter().enumerate() {
+            let got = (0..blocks)
+                .map(|b| {
+                    let off = geo.offset(t as u32 / 2, t % 2 == 1, b as u32);
+                    pool.view(off, block_bytes, omnirig_fixtures::Digest128::of_bytes)
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| io(&e))?;
+            let want = omnirig_fixtures::block_digests(g, block_elements).map_err(|e| io(&e))?;
+            if want != got {
+                return Err(std::io::Error::other(
+                    "calibration: the KV check in the pool found blocks that differ",
+                ));
+            }
+        }
+        runs.push(t0.elapsed().as_nanos() as f64);
+    }
+    runs.sort_by(f64::total_cmp);
+    Ok(runs[1] / (u64::from(layers) * 2 * blocks * block_bytes) as f64)
 }
 
 /// An engine write's round trip to a peer process, hot and cold (the wake's measurement).
@@ -715,7 +818,7 @@ impl Calibration {
             "# Measured by `omnirig simulate --calibrate-cpu` over {} MiB and {} round trips:\n\
              # generate {:.2} GB/s, XXH3-128 {:.2} GB/s, tcp copy {:.2} GB/s, round trip {:.1} us.\n\
              cpu:\n  generate_ns_per_byte: {:.4}\n  digest_ns_per_byte: {:.4}\n  copy_ns_per_byte: {:.4}\n  message_us: {:.2}\n\
-             \x20 # the KV check block by block ({} KiB blocks): {:.4} ns/B; charged as generate + 2 x digest\n",
+             \x20 # the KV check ({} KiB blocks): {:.4} ns/B over one buffer, as the stage runs it in its pool:\n  kv_check_ns_per_byte: {:.4}\n",
             self.bytes >> 20,
             self.round_trips,
             gbs(self.generate_ns_per_byte),
@@ -728,6 +831,7 @@ impl Calibration {
             self.message_us,
             self.kv_block_bytes >> 10,
             self.kv_verify_ns_per_byte,
+            self.kv_verify_pool_ns_per_byte,
         );
         if let Some(w) = &self.wake_from {
             y += &format!(

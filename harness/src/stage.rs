@@ -1239,7 +1239,7 @@ impl StageWorker {
                         }
                         if let Some(h) = &self.host {
                             let bytes = kv_bytes(held.blocks.len(), bb, layout.num_layers);
-                            h.verify(bytes, self.pregen.is_some(), false).await;
+                            h.verify_kv(bytes, self.pregen.is_some()).await;
                         }
                         m.verified(now(), found);
                     }

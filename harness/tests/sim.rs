@@ -354,6 +354,46 @@ fn a_small_hop_between_parked_stages_pays_two_wakes() {
     );
 }
 
+/// The KV hop's verification is charged at `kv_check_ns_per_byte` where the host model has
+/// one (the check as the decode stage runs it, in its pool), and as generate + 2 x digest
+/// where it has not; a bad value is refused by name.
+#[test]
+fn the_kv_check_is_charged_at_its_own_rate_where_measured() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (fabric, cpu) =
+        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    let cpu = cpu.unwrap();
+    let bulk = cpu.generate_ns_per_byte + 2.0 * cpu.digest_ns_per_byte;
+    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
+    s.fabric = Some(fabric);
+    let verify = |kv_check: Option<f64>| {
+        let mut s = s.clone();
+        s.cpu = Some(omnirig_harness::host::CpuSpec {
+            kv_check_ns_per_byte: kv_check,
+            ..cpu.clone()
+        });
+        let r = sim::run(&s, Some(5)).unwrap();
+        assert!(r.report.passed(), "{}", r.report.summary_text());
+        let kv = r.report.hops.iter().find(|h| h.hop == "kv_cache").unwrap();
+        kv.phases_ms_p50.verify
+    };
+    let (unset, same, triple) = (verify(None), verify(Some(bulk)), verify(Some(3.0 * bulk)));
+    assert!(
+        (same / unset - 1.0).abs() < 0.02,
+        "{unset} ms unset, {same} ms at the bulk rate"
+    );
+    assert!(
+        (triple / unset - 3.0).abs() < 0.15,
+        "{unset} ms at the bulk rate, {triple} ms at three times it"
+    );
+    let text = std::fs::read_to_string(root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    let bad = text.replace("  wake_us:", "  kv_check_ns_per_byte: -1\n  wake_us:");
+    let e = sim::fabric_file_from_str(&bad, "bad")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cpu.kv_check_ns_per_byte: -1"), "{e}");
+}
+
 /// `simulate --calibrate-cpu`'s section, pasted into a fabric, parses back (and costs
 /// something on this machine).
 #[test]
@@ -385,13 +425,18 @@ fn the_calibration_parses_back_as_a_fabric() {
         "{section}"
     );
     assert_eq!(cpu.hosts[0].nodes.len(), nodes.len());
-    // the decode stage's KV check, recorded beside the bulk rates (not a charge)
+    // the decode stage's KV check: over one buffer a record, in the stage's pool the charge
     assert!(
         c.kv_verify_ns_per_byte > 0.0 && c.kv_block_bytes == 16 << 10,
         "{c:?}"
     );
+    assert_eq!(
+        cpu.kv_check_ns_per_byte.map(|v| format!("{v:.4}")),
+        Some(format!("{:.4}", c.kv_verify_pool_ns_per_byte)),
+        "{section}"
+    );
     assert!(
-        section.contains("the KV check block by block (16 KiB blocks)"),
+        section.contains("the KV check (16 KiB blocks)"),
         "{section}"
     );
     // Two parked processes per cold round trip: each wake is half the difference.
