@@ -8,7 +8,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 
 use anyhow::{Context, bail};
 use omnirig_transports::{
-    Access, Engine, EngineConfig, Grant, InProcessStore, TcpConfig, TransportKind,
+    Access, Buffer, Engine, EngineConfig, Grant, InProcessStore, TcpConfig, TransportKind,
 };
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +32,36 @@ pub enum PeerMode {
     /// An omnirig rdma engine on another node, for `bench transfer --transport rdma --peer`
     /// (`bench::remote`).
     RdmaEngine,
+}
+
+impl Hello {
+    /// The write and read grants an engine peer announces.
+    pub fn grants(&self) -> anyhow::Result<(Grant, Grant)> {
+        Ok((
+            self.write_grant
+                .clone()
+                .context("peer sent no write grant")?,
+            self.read_grant.clone().context("peer sent no read grant")?,
+        ))
+    }
+}
+
+/// An engine peer's two buffers of `max_size` bytes, each granted whole: one to write into,
+/// one to read from, filled with `i * 7 + 3` (what the benchmark checks its reads against).
+pub fn peer_buffers(
+    engine: &Engine,
+    max_size: u64,
+) -> anyhow::Result<(Buffer, Grant, Buffer, Grant)> {
+    let wbuf = engine.allocate(max_size)?;
+    let rbuf = engine.allocate(max_size)?;
+    rbuf.fill(0, max_size, |b| {
+        b.iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = (i * 7 + 3) as u8)
+    })?;
+    let wg = engine.grant(&wbuf, 0, max_size, Access::Write)?;
+    let rg = engine.grant(&rbuf, 0, max_size, Access::Read)?;
+    Ok((wbuf, wg, rbuf, rg))
 }
 
 /// Raw protocol: 1 byte op ('W' or 'R'; lower case: block instead of busy-polling) + u64 LE
@@ -70,15 +100,7 @@ pub fn serve(mode: PeerMode, max_size: u64, tcp: TcpConfig) -> anyhow::Result<()
                     .store(InProcessStore::new())
                     .with(tcp);
                 let engine = Engine::new(cfg).await?;
-                let wbuf = engine.allocate(max_size)?;
-                let rbuf = engine.allocate(max_size)?;
-                rbuf.fill(0, max_size, |b| {
-                    b.iter_mut()
-                        .enumerate()
-                        .for_each(|(i, x)| *x = (i * 7 + 3) as u8)
-                })?;
-                let write_grant = engine.grant(&wbuf, 0, max_size, Access::Write)?;
-                let read_grant = engine.grant(&rbuf, 0, max_size, Access::Read)?;
+                let (_wbuf, write_grant, _rbuf, read_grant) = peer_buffers(&engine, max_size)?;
                 announce(&Hello {
                     addr: engine.tcp_addr().context("engine has no tcp endpoint")?,
                     write_grant: Some(write_grant),

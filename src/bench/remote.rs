@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use omnirig_transports::{
-    Access, Buffer, Engine, EngineConfig, InProcessStore, RdmaConfig, TcpConfig, TransportKind,
+    Buffer, Engine, EngineConfig, InProcessStore, RdmaConfig, TcpConfig, TransportKind,
 };
 use serde::{Deserialize, Serialize};
 
-use super::peer::Hello;
+use super::peer::{Hello, peer_buffers};
 use super::perftest::{self, ServerRequest};
 
 /// Longest line either side reads (a Hello with two grants is well under 4 KiB).
@@ -198,17 +198,12 @@ pub fn serve(
     rt.block_on(async move {
         let name = format!("bench-peer-{}", std::process::id());
         let engine = Engine::new(engine_config(name, listen.ip(), rdma.clone())).await?;
-        let wbuf = engine.allocate(max_size)?;
-        let rbuf = engine.allocate(max_size)?;
-        rbuf.fill(0, max_size, |b| {
-            b.iter_mut()
-                .enumerate()
-                .for_each(|(i, x)| *x = (i * 7 + 3) as u8)
-        })?;
+        // the read buffer lives as long as the engine serves grants on it
+        let (wbuf, wg, _rbuf, rg) = peer_buffers(&engine, max_size)?;
         let hello = Hello {
             addr: engine.tcp_addr().context("engine has no tcp endpoint")?,
-            write_grant: Some(engine.grant(&wbuf, 0, max_size, Access::Write)?),
-            read_grant: Some(engine.grant(&rbuf, 0, max_size, Access::Read)?),
+            write_grant: Some(wg),
+            read_grant: Some(rg),
         };
         let listener =
             TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
@@ -320,6 +315,7 @@ fn reap(server: &mut Option<Child>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use omnirig_transports::Access;
 
     /// What crosses the wire is checked before it is used: unknown ops, over-long lines and
     /// out-of-range perftest arguments are refused with what was wrong.

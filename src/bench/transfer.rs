@@ -265,16 +265,7 @@ async fn rdma_two_nodes(
 
     progress(&format!("connecting to the bench peer at {addr}"));
     let mut peer = PeerControl::connect(addr, o.peer_wait)?;
-    let wg = peer
-        .hello
-        .write_grant
-        .clone()
-        .context("peer sent no write grant")?;
-    let rg = peer
-        .hello
-        .read_grant
-        .clone()
-        .context("peer sent no read grant")?;
+    let (wg, rg) = peer.hello.grants()?;
     if wg.len < max || rg.len < max {
         bail!(
             "the bench peer grants {} bytes; --sizes up to {max} need `--max-size {max}` (or \
@@ -645,16 +636,7 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         "engine peer over {} ({})",
         info.transport, info.device
     ));
-    let wg = engine_peer
-        .hello
-        .write_grant
-        .clone()
-        .context("peer sent no write grant")?;
-    let rg = engine_peer
-        .hello
-        .read_grant
-        .clone()
-        .context("peer sent no read grant")?;
+    let (wg, rg) = engine_peer.hello.grants()?;
     let src = a.allocate(max)?;
     src.fill(0, max, |x| x.fill(0x5a))?;
     let landing = a.allocate(max)?;
@@ -709,16 +691,7 @@ async fn shm(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         "engine peer over {} ({})",
         info.transport, info.device
     ));
-    let wg = peer
-        .hello
-        .write_grant
-        .clone()
-        .context("peer sent no write grant")?;
-    let rg = peer
-        .hello
-        .read_grant
-        .clone()
-        .context("peer sent no read grant")?;
+    let (wg, rg) = peer.hello.grants()?;
     let src = a.allocate(max)?;
     src.fill(0, max, |x| x.fill(0x5a))?;
     let landing = a.allocate(max)?;
