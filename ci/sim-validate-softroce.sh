@@ -3,14 +3,19 @@
 # soft-RoCE pair"): two QEMU VMs (ci/softroce.sh run --vms 2), the five stages alternating
 # between them as in ci/hil-softroce.sh, so every hop crosses the rdma link. In the VMs:
 #   - ib_write_bw (1 MiB) and ib_write_lat (8 B) from VM 0 to VM 1: the link's figures;
+#   - the engine's 4 KiB rdma write from VM 0 to an engine in VM 1, back to back and after a
+#     10 ms pause, three times each: the wake across the link;
 #   - `omnirig simulate --calibrate-cpu` on VM 0: a VM's CPU costs (the `cpu:` section);
 #   - `omnirig run --cluster ... --transport rdma --report` of the scenarios that
 #     `simulate --scenarios-out` writes for harness/scenarios/sim-validate.yaml, REPEATS times
 #     at each concurrency (the measured reports `simulate --measured` takes).
 #
 #   ci/sim-validate-softroce.sh [OUT]   OUT (default $TMPDIR/omnirig-sim-softroce) gets
-#                                       perftest.txt, cpu.yaml, cpu-calibration.json,
-#                                       m-cC-I/report.json and the agents' logs
+#                                       perftest.txt, cal/cpu.yaml, cal/cpu-calibration.json,
+#                                       m-cC-I/report.json, wake-gapG-I.json, the agents' logs,
+#                                       qemu-cpu.log (each QEMU process's host CPU, sampled
+#                                       here every 0.2 s) and host-cpu.txt (what ib_write_bw's
+#                                       bytes cost this machine's cores, and the wake)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default)
 # Needs what ci/hil-softroce.sh needs. Builds the release binary with --features hil (the
 # stages' generation and digests run under TCG: a debug build would measure the build).
@@ -44,13 +49,33 @@ perf() { # TOOL SIZE ITERS PORT
   else
     softroce_barrier "$1" || exit 1
     sleep 1
+    # the host's sampler (below) reads both QEMU processes' CPU at these marks' times
+    : > "$out/mark-$1-start"
     { echo "== $1 -s $2 -n $3 (VM 0 -> VM 1)"; "$1" -d rxe0 -i 1 -F -s "$2" -n "$3" -p "$4" -x "$gid" 10.77.0.2; } \
       >> "$out/perftest.txt" 2>&1
+    : > "$out/mark-$1-end"
   fi
 }
 perf ib_write_bw 1048576 2000 18901
 perf ib_write_lat 8 2000 18902
 softroce_barrier perftest || exit 1
+# the wake across the link: the engine's 4 KiB rdma write from VM 0 to an engine in VM 1,
+# back to back and after a 10 ms pause (both VMs' threads park), three times each
+if [ "$SOFTROCE_NODE" = 1 ]; then
+  for _ in $(seq 6); do
+    "$exe" bench peer --mode rdma-engine --listen 10.77.0.2:18950 --max-size 64K --wait-s 300 \
+      >> "$out/wake-peer.log" 2>&1 || exit 1
+  done
+else
+  for i in 1 2 3; do
+    for gap in 0 10000; do
+      "$exe" bench transfer --transport rdma --peer 10.77.0.2:18950 --peer-wait-s 120 --sizes 4K \
+        --min-iters 200 --max-iters 200 --budget 64M --perftest-seconds 1 --rounds 1 --gap-us "$gap" \
+        --json "$out/wake-gap$gap-$i.json" >> "$out/wake.log" 2>&1 || echo "wake bench (gap $gap) failed"
+    done
+  done
+fi
+softroce_barrier wake || exit 1
 if [ "$SOFTROCE_NODE" = 0 ]; then
   "$exe" metadata-server --listen 10.77.0.1:18080 > "$out/metadata.log" 2>&1 &
   softroce_cluster_yaml softroce-2vm "written by ci/sim-validate-softroce.sh: two soft-RoCE VMs, stages alternating" \
@@ -82,8 +107,67 @@ fi
 kill "$agent" 2> /dev/null
 exit "$rc"
 EOF
+# Both VMs' vCPUs run on this machine's cores (TCG): sample each QEMU process's CPU time
+# (utime + stime, clock ticks) to learn what a byte over rxe costs the host, from ib_write_bw.
+sample_qemu() {
+  local i t
+  while :; do
+    t=$(date +%s.%N)
+    for i in 0 1; do
+      local pid stat
+      # QEMU itself, not the `timeout` that started it; none yet (or gone): "- -"
+      pid=$(pgrep -f "^qemu-system-x86_64 .*sr\.node=$i " | head -1 || true)
+      stat=$( [[ -n $pid ]] && cut -d' ' -f14,15 "/proc/$pid/stat" 2> /dev/null || true)
+      t+=" ${stat:-- -}"
+    done
+    echo "$t"
+    sleep 0.2
+  done > "$out/qemu-cpu.log"
+}
+sample_qemu &
+sampler=$!
 rc=0
 SIM_OUT=$out ci/softroce.sh run --vms 2 --timeout 2400 --share "$out" \
   --env SIM_OUT --env SIM_CONCURRENCY --env SIM_REPEATS -- "bash $out/vm.sh" || rc=$?
+kill "$sampler" 2> /dev/null || true
+python3 - "$out" << 'PY' || true
+import glob, json, os, statistics, sys
+out = sys.argv[1]
+tick_ns = 1e9 / os.sysconf("SC_CLK_TCK")
+rows = []
+for line in open(f"{out}/qemu-cpu.log"):
+    f = line.split()
+    if len(f) == 5 and "-" not in f[1:]:
+        rows.append((float(f[0]), int(f[1]) + int(f[2]), int(f[3]) + int(f[4])))
+def at(t):  # CPU ticks of both VMs at host time t (the nearest sample at or after it)
+    return next(((a, b) for (s, a, b) in rows if s >= t), None)
+with open(f"{out}/host-cpu.txt", "w") as w:
+    try:
+        t0 = os.path.getmtime(f"{out}/mark-ib_write_bw-start")
+        t1 = os.path.getmtime(f"{out}/mark-ib_write_bw-end")
+        a, b = at(t0), at(t1)
+        text = open(f"{out}/perftest.txt").read()
+        # the -n of the ib_write_bw line: its iterations of 1 MiB
+        head = next(l for l in text.splitlines() if l.startswith("== ib_write_bw"))
+        size, iters = int(head.split("-s ")[1].split()[0]), int(head.split("-n ")[1].split()[0])
+        moved = size * iters
+        cpu0, cpu1 = (b[0] - a[0]) * tick_ns, (b[1] - a[1]) * tick_ns
+        print(f"ib_write_bw {size} B x {iters} ({moved} B) over {t1 - t0:.2f} s: host CPU of VM 0 "
+              f"{cpu0 / 1e9:.2f} s ({cpu0 / (t1 - t0) / 1e9:.2f} cores), VM 1 {cpu1 / 1e9:.2f} s "
+              f"({cpu1 / (t1 - t0) / 1e9:.2f} cores)", file=w)
+        print(f"host ns per byte moved: VM 0 (requester) {cpu0 / moved:.3f}, VM 1 (responder) "
+              f"{cpu1 / moved:.3f}, per side {(cpu0 + cpu1) / 2 / moved:.3f}", file=w)
+    except Exception as e:  # noqa: BLE001 -- a summary, not the measurement
+        print(f"no host CPU figure: {e}", file=w)
+    p50 = lambda f: next(r["omnirig"]["p50_us"] for r in json.load(open(f))["rows"] if r["op"] == "write")
+    hot = [p50(f) for f in sorted(glob.glob(f"{out}/wake-gap0-*.json"))]
+    cold = [p50(f) for f in sorted(glob.glob(f"{out}/wake-gap10000-*.json"))]
+    if hot and cold:
+        h, c = statistics.median(hot), statistics.median(cold)
+        print(f"rdma 4 KiB write VM 0 -> VM 1, p50 us: back to back {hot}, after 10 ms {cold}; "
+              f"medians {h:.1f} and {c:.1f}: wake_us {(c - h) / 2:.1f} (half: a cold write wakes both ends)",
+              file=w)
+print(open(f"{out}/host-cpu.txt").read(), end="")
+PY
 echo "sim-validate-softroce: took $((SECONDS - t0)) s; results in $out"
 exit $rc
