@@ -63,7 +63,7 @@ softroce_barrier perftest || exit 1
 # back to back and after a 10 ms pause (both VMs' threads park), three times each
 if [ "$SOFTROCE_NODE" = 1 ]; then
   for _ in $(seq 6); do
-    "$exe" bench peer --mode rdma-engine --listen 10.77.0.2:18950 --max-size 64K --wait-s 300 \
+    "$exe" bench peer --mode rdma-engine --listen 10.77.0.2:18950 --max-size 64K --wait-s 120 \
       >> "$out/wake-peer.log" 2>&1 || exit 1
   done
 else
@@ -126,6 +126,7 @@ sample_qemu() {
 }
 sample_qemu &
 sampler=$!
+trap 'kill "$sampler" 2> /dev/null || true' EXIT
 rc=0
 SIM_OUT=$out ci/softroce.sh run --vms 2 --timeout 2400 --share "$out" \
   --env SIM_OUT --env SIM_CONCURRENCY --env SIM_REPEATS -- "bash $out/vm.sh" || rc=$?
@@ -146,6 +147,8 @@ with open(f"{out}/host-cpu.txt", "w") as w:
         t0 = os.path.getmtime(f"{out}/mark-ib_write_bw-start")
         t1 = os.path.getmtime(f"{out}/mark-ib_write_bw-end")
         a, b = at(t0), at(t1)
+        if a is None or b is None:
+            raise ValueError("qemu-cpu.log has no sample of both VMs at or after the marks")
         text = open(f"{out}/perftest.txt").read()
         # the -n of the ib_write_bw line: its iterations of 1 MiB
         head = next(l for l in text.splitlines() if l.startswith("== ib_write_bw"))
@@ -164,7 +167,7 @@ with open(f"{out}/host-cpu.txt", "w") as w:
     cold = [p50(f) for f in sorted(glob.glob(f"{out}/wake-gap10000-*.json"))]
     if hot and cold:
         h, c = statistics.median(hot), statistics.median(cold)
-        print(f"rdma 4 KiB write VM 0 -> VM 1, p50 us: back to back {hot}, after 10 ms {cold}; "
+        print(f"rdma 4 KiB write VM 0 -> VM 1, p50 us: back to back {[round(x, 1) for x in hot]}, after 10 ms {[round(x, 1) for x in cold]}; "
               f"medians {h:.1f} and {c:.1f}: wake_us {(c - h) / 2:.1f} (half: a cold write wakes both ends)",
               file=w)
 print(open(f"{out}/host-cpu.txt").read(), end="")
