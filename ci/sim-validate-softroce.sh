@@ -5,6 +5,8 @@
 #   - ib_write_bw (1 MiB) and ib_write_lat (8 B) from VM 0 to VM 1: the link's figures;
 #   - the engine's 4 KiB rdma write from VM 0 to an engine in VM 1, back to back and after a
 #     10 ms pause, three times each: the wake across the link;
+#   - the engine's 1 MiB rdma writes from VM 0 to VM 1, one at a time and in batches of 16
+#     (bulk.json): the link's rate as the pipeline's engine sees it;
 #   - `omnirig simulate --calibrate-cpu` on VM 0: a VM's CPU costs (the `cpu:` section);
 #   - `omnirig run --cluster ... --transport rdma --report` of the scenarios that
 #     `simulate --scenarios-out` writes for harness/scenarios/sim-validate.yaml, REPEATS times
@@ -66,6 +68,9 @@ if [ "$SOFTROCE_NODE" = 1 ]; then
     "$exe" bench peer --mode rdma-engine --listen 10.77.0.2:18950 --max-size 64K --wait-s 120 \
       >> "$out/wake-peer.log" 2>&1 || exit 1
   done
+  # the engine's own bulk rate (below): 16 MiB, so a batch of 16 x 1 MiB lands apart
+  "$exe" bench peer --mode rdma-engine --listen 10.77.0.2:18950 --max-size 16M --wait-s 120 \
+    >> "$out/bulk-peer.log" 2>&1 || exit 1
 else
   for i in 1 2 3; do
     for gap in 0 10000; do
@@ -74,6 +79,15 @@ else
         --json "$out/wake-gap$gap-$i.json" >> "$out/wake.log" 2>&1 || echo "wake bench (gap $gap) failed"
     done
   done
+  # the link's rate as the engine moves bytes (ib_write_bw busy-polls its completions, which
+  # under TCG takes a host core from rxe; the engine parks): 1 MiB writes one at a time, in
+  # batches of 16 (how a KV handoff arrives), and 2 and 4 batches in flight, with ib_write_bw
+  # before and after in the same run; the host sampler reads both VMs' CPU at the marks
+  : > "$out/mark-bulk-start"
+  "$exe" bench transfer --transport rdma --peer 10.77.0.2:18950 --peer-wait-s 120 --sizes 1M \
+    --min-iters 16 --max-iters 16 --budget 16M --perftest-seconds 2 --rounds 1 \
+    --json "$out/bulk.json" >> "$out/bulk.log" 2>&1 || echo "bulk bench failed"
+  : > "$out/mark-bulk-end"
 fi
 softroce_barrier wake || exit 1
 if [ "$SOFTROCE_NODE" = 0 ]; then
@@ -165,6 +179,18 @@ with open(f"{out}/host-cpu.txt", "w") as w:
     p50 = lambda f: next(r["omnirig"]["p50_us"] for r in json.load(open(f))["rows"] if r["op"] == "write")
     hot = [p50(f) for f in sorted(glob.glob(f"{out}/wake-gap0-*.json"))]
     cold = [p50(f) for f in sorted(glob.glob(f"{out}/wake-gap10000-*.json"))]
+    try:
+        rows_ = json.load(open(f"{out}/bulk.json"))["rows"]
+        fig = {r["op"]: r["omnirig"]["gbps"] * 1e3 for r in rows_ if r["size"] == 1 << 20}
+        base = next((r["baseline"]["gbps"] * 1e3 for r in rows_ if r["op"] == "write-x16"), None)
+        print("engine rdma 1 MiB writes VM 0 -> VM 1, MB/s: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in fig.items())
+              + (f"; ib_write_bw in the same run {base:.2f}" if base else ""), file=w)
+        x16 = fig["write-x16"]
+        print(f"the link as the engine sees it (write-x16): {x16 * 1e6 / 1e9 * 8:.4f} Gb/s, "
+              f"{1e3 / x16:.3f} ns per byte", file=w)
+    except Exception as e:  # noqa: BLE001
+        print(f"no engine bulk figure: {e}", file=w)
     if hot and cold:
         h, c = statistics.median(hot), statistics.median(cold)
         print(f"rdma 4 KiB write VM 0 -> VM 1, p50 us: back to back {[round(x, 1) for x in hot]}, after 10 ms {[round(x, 1) for x in cold]}; "
@@ -172,5 +198,80 @@ with open(f"{out}/host-cpu.txt", "w") as w:
               file=w)
 print(open(f"{out}/host-cpu.txt").read(), end="")
 PY
+# The model, from this boot's figures alone: three fabrics, the same placement and the same
+# calibrated `cpu:` costs, differing in the link's rate and in where a byte's copy runs.
+#   A: the link at ib_write_bw's rate, each VM a host of its own (the committed structure);
+#   E: the link at the engine's write-x16 rate (bulk.json), each VM a host of its own;
+#   S: as E, but both VMs one host of this machine's cores (TCG runs every vCPU on them),
+#      a byte's copy charged on each side at the responder's host CPU per byte during
+#      ib_write_bw (VM 1 sleeps in that test; VM 0's figure includes perftest's busy-poll).
+# Each is set against this run's reports (`simulate --measured`) in predicted/.
+python3 - "$out" "$(nproc)" << 'PY' && fabrics=ok || { fabrics=; echo "no fabrics: a figure is missing"; }
+import json, re, sys
+out, cores = sys.argv[1], int(sys.argv[2])
+perf = open(f"{out}/perftest.txt").read()
+def column(tool, name):  # the figure under `name` in the result line after tool's header
+    block = perf.split(f"== {tool}")[1]
+    lines = block.splitlines()
+    i = next(i for i, l in enumerate(lines) if name in l)
+    # column names: `#bytes`, or words ending in a bracketed unit (`BW average[MB/sec]`)
+    head = [h.strip() for h in re.findall(r"#\w+|[^#\]]+?\[[^\]]*\]", lines[i])]
+    return float(lines[i + 1].split()[head.index(name)])
+bw_mib = column("ib_write_bw", "BW average[MB/sec]")
+lat = column("ib_write_lat", "t_typical[usec]")
+rows = json.load(open(f"{out}/bulk.json"))["rows"]
+x16 = next(r["omnirig"]["gbps"] for r in rows if r["op"] == "write-x16")  # GB/s
+host = open(f"{out}/host-cpu.txt").read()
+responder = float(re.search(r"VM 1 \(responder\) ([0-9.]+)", host).group(1))
+cpu = open(f"{out}/cal/cpu.yaml").read()
+val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cpu, re.M).group(1)
+bw_gbps = bw_mib * 1048576 * 8 / 1e9
+variants = {
+    "A": (bw_gbps, 1e9 / (bw_mib * 1048576), False,
+          f"link at ib_write_bw's {bw_mib:.2f} MiB/s; copy per side at that rate; a host per VM"),
+    "E": (x16 * 8, 1 / x16, False,
+          f"link at the engine's write-x16 {x16 * 1e3:.2f} MB/s; copy per side at that rate; a host per VM"),
+    "S": (x16 * 8, responder, True,
+          f"link at the engine's write-x16 {x16 * 1e3:.2f} MB/s; copy per side {responder:.3f} ns/B "
+          f"(the responder's host CPU during ib_write_bw); both VMs one host of {cores} cores"),
+}
+import os
+os.makedirs(f"{out}/predicted", exist_ok=True)
+for name, (gbps, copy, shared, why) in variants.items():
+    hosts = (f"    - {{ name: machine, cores: {cores}, nodes: [vm0, vm1] }}\n" if shared else
+             "    - { name: vm0, cores: 2, nodes: [vm0] }\n    - { name: vm1, cores: 2, nodes: [vm1] }\n")
+    link = f"{gbps:.4f}"
+    text = f"""# Fabric {name}, written by ci/sim-validate-softroce.sh from this boot's figures: {why}.
+# ib_write_lat t_typical {lat:.2f} us one way, less 1 us in each rxe device. `cpu:` from
+# `omnirig simulate --calibrate-cpu` in VM 0 (cal/cpu.yaml). The engine's rdma defaults:
+# 4 MiB slices, two in flight.
+slice_bytes: 4194304
+in_flight: 2
+seed: 1
+nodes:
+  - {{ name: vm0, nics: [{{ name: rxe0, gbps: {link}, latency_us: 1 }}], local: {{ gbps: {link}, latency_us: 1 }} }}
+  - {{ name: vm1, nics: [{{ name: rxe0, gbps: {link}, latency_us: 1 }}], local: {{ gbps: {link}, latency_us: 1 }} }}
+links: [{{ between: [vm0, vm1], gbps: {link}, latency_us: {lat - 2:.2f} }}]
+placement: {{ encoder: vm0, thinker_prefill: vm1, thinker_decode: vm0, talker: vm1, code2wav: vm0 }}
+cpu:
+  generate_ns_per_byte: {val("generate_ns_per_byte")}
+  digest_ns_per_byte: {val("digest_ns_per_byte")}
+  copy_ns_per_byte: {copy:.3f}
+  message_us: {val("message_us")}
+  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
+  wake_us: {val("wake_us")}
+  hosts:
+{hosts}"""
+    open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
+PY
+if [[ -n ${fabrics:-} ]] && compgen -G "$out/m-c*-*/report.json" > /dev/null; then
+  for f in A E S; do
+    target/release/omnirig simulate --fabric "$out/predicted/fabric-$f.yaml" \
+      --scenario harness/scenarios/sim-validate.yaml --concurrency "${SIM_CONCURRENCY// /,}" \
+      --measured "$out"/m-c*-*/report.json --out "$out/predicted/$f" > "$out/predicted/$f.log" 2>&1 \
+      && echo "fabric $f: $(tail -1 "$out/predicted/$f/simulate.md")" \
+      || echo "fabric $f: simulate failed (predicted/$f.log)"
+  done
+fi
 echo "sim-validate-softroce: took $((SECONDS - t0)) s; results in $out"
 exit $rc
