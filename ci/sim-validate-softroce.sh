@@ -16,8 +16,10 @@
 #                                       perftest.txt, cal/cpu.yaml, cal/cpu-calibration.json,
 #                                       m-cC-I/report.json, wake-gapG-I.json, the agents' logs,
 #                                       qemu-cpu.log (each QEMU process's host CPU, sampled
-#                                       here every 0.2 s) and host-cpu.txt (what ib_write_bw's
-#                                       bytes cost this machine's cores, and the wake)
+#                                       here every 0.2 s), host-cpu.txt (what ib_write_bw's
+#                                       bytes cost this machine's cores, the engine's rate,
+#                                       the wake) and predicted/ (fabrics A, E, S from these
+#                                       figures, each scored against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default)
 # Needs what ci/hil-softroce.sh needs. Builds the release binary with --features hil (the
 # stages' generation and digests run under TCG: a debug build would measure the build).
