@@ -84,12 +84,10 @@ else
   # the link's rate as the engine moves bytes (ib_write_bw busy-polls its completions, which
   # under TCG takes a host core from rxe; the engine parks): 1 MiB writes one at a time, in
   # batches of 16 (how a KV handoff arrives), and 2 and 4 batches in flight, with ib_write_bw
-  # before and after in the same run; the host sampler reads both VMs' CPU at the marks
-  : > "$out/mark-bulk-start"
+  # before and after in the same run
   "$exe" bench transfer --transport rdma --peer 10.77.0.2:18950 --peer-wait-s 120 --sizes 1M \
     --min-iters 16 --max-iters 16 --budget 16M --perftest-seconds 2 --rounds 1 \
     --json "$out/bulk.json" >> "$out/bulk.log" 2>&1 || echo "bulk bench failed"
-  : > "$out/mark-bulk-end"
 fi
 softroce_barrier wake || exit 1
 if [ "$SOFTROCE_NODE" = 0 ]; then
@@ -209,7 +207,7 @@ PY
 #      ib_write_bw (VM 1 sleeps in that test; VM 0's figure includes perftest's busy-poll).
 # Each is set against this run's reports (`simulate --measured`) in predicted/.
 python3 - "$out" "$(nproc)" << 'PY' && fabrics=ok || { fabrics=; echo "no fabrics: a figure is missing"; }
-import json, re, sys
+import json, os, re, sys
 out, cores = sys.argv[1], int(sys.argv[2])
 perf = open(f"{out}/perftest.txt").read()
 def column(tool, name):  # the figure under `name` in the result line after tool's header
@@ -237,7 +235,6 @@ variants = {
           f"link at the engine's write-x16 {x16 * 1e3:.2f} MB/s; copy per side {responder:.3f} ns/B "
           f"(the responder's host CPU during ib_write_bw); both VMs one host of {cores} cores"),
 }
-import os
 os.makedirs(f"{out}/predicted", exist_ok=True)
 for name, (gbps, copy, shared, why) in variants.items():
     hosts = (f"    - {{ name: machine, cores: {cores}, nodes: [vm0, vm1] }}\n" if shared else
