@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The scale model's measurements over tcp between processes on this machine (docs/sim.md,
+# "Validation over tcp between processes"), all in one window, so the fabric is built from
+# figures measured minutes before the runs it is set against (a fabric calibrated two days
+# earlier missed the bulk hops by twice as much):
+#   - the engine's own tcp link: `omnirig bench transfer --transport tcp --sizes 4K,16M` on the
+#     multi-thread runtime `omnirig run` uses (a 4 KiB write's round trip, 16 MiB writes over
+#     the engine's 4 streams);
+#   - `omnirig simulate --calibrate-cpu`: this machine's CPU costs and a parked process's wake;
+#   - `omnirig run DIR/scenario-cC.yaml --processes --transport tcp --report` of the scenarios
+#     that `simulate --scenarios-out` writes for harness/scenarios/sim-validate.yaml, REPEATS
+#     times at each concurrency (the measured reports `simulate --measured` takes).
+#
+#   ci/sim-validate-tcp.sh [OUT]   OUT (default $TMPDIR/omnirig-sim-tcp) gets link.json,
+#                                  cal/cpu.yaml, cal/cpu-calibration.json, m-cC-I/report.json,
+#                                  load.txt (the load average around each step) and predicted/
+#                                  (fabrics T and E from these figures, each scored against
+#                                  the reports)
+#   CONCURRENCY="1 4" (default), REPEATS=3 (default), OMNIRIG=PATH: a release binary built
+#   elsewhere (a machine without a Rust toolchain); without it the script builds one
+# Run it on a quiet machine: the five stage processes share its cores with whatever else runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=$(readlink -f "${1:-${TMPDIR:-/tmp}/omnirig-sim-tcp}")
+rm -rf "$out"
+mkdir -p "$out"
+t0=$SECONDS
+if [[ -n ${OMNIRIG:-} ]]; then
+  exe=$(readlink -f "$OMNIRIG")
+else
+  cargo build --release --locked --quiet --bin omnirig
+  exe=target/release/omnirig
+fi
+conc=${CONCURRENCY:-1 4}
+repeats=${REPEATS:-3}
+load() { echo "$1: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/load.txt"; }
+load "$(nproc) cores, built in $((SECONDS - t0)) s"
+
+t=$SECONDS
+"$exe" bench transfer --transport tcp --runtime multi --sizes 4K,16M --json "$out/link.json" \
+  > "$out/link.log" 2>&1
+load "link"
+echo "link: $((SECONDS - t)) s"
+t=$SECONDS
+"$exe" simulate --calibrate-cpu --out "$out/cal" > "$out/calibrate.log" 2>&1
+load "calibration"
+echo "calibration: $((SECONDS - t)) s"
+"$exe" simulate --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \
+  --scenarios-out "$out/scenarios" > /dev/null
+rc=0
+for c in $conc; do
+  for i in $(seq "$repeats"); do
+    t=$SECONDS
+    "$exe" run "$out/scenarios/scenario-c$c.yaml" --processes --transport tcp -q \
+      --report "$out/m-c$c-$i" > "$out/run-c$c-$i.log" 2>&1 || rc=1
+    load "c$c run $i"
+    echo "c$c run $i: $((SECONDS - t)) s, $(grep -m1 'requests ok' "$out/run-c$c-$i.log" || echo failed)"
+  done
+done
+
+# The model, from this window's figures alone: two fabrics, five stage processes as five
+# nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
+# round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs:
+#   T: one socket stream's wall time per byte (the calibration's copy; the committed
+#      structure, harness/fabrics/tcp-localhost.yaml);
+#   E: the engine's own 16 MiB write rate, on each side (its 4 streams, as the pipeline
+#      moves a bulk transfer).
+python3 - "$out" "$(nproc)" << 'PY'
+import json, os, re, sys
+out, cores = sys.argv[1], int(sys.argv[2])
+rows = json.load(open(f"{out}/link.json"))["rows"]
+fig = lambda op, size: next(r["omnirig"] for r in rows if r["op"] == op and r["size"] == size)
+rtt = fig("write", 4096)["p50_us"]
+gbs = fig("write", 16 << 20)["gbps"]  # GB/s
+cpu = open(f"{out}/cal/cpu.yaml").read()
+val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cpu, re.M).group(1)
+one_way = rtt / 2
+switch = max(one_way - 4, 0)  # 2 us in each process's socket, the rest in the loopback
+variants = {
+    "T": (float(val("copy_ns_per_byte")), f"copy at one socket stream's wall time ({val('copy_ns_per_byte')} ns/B)"),
+    "E": (1 / gbs, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s)"),
+}
+os.makedirs(f"{out}/predicted", exist_ok=True)
+names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
+link = f"{gbs * 8:.3f}"
+for name, (copy, why) in variants.items():
+    nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {link}, latency_us: 2 }}], "
+                    f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
+    text = f"""# Fabric {name}, written by ci/sim-validate-tcp.sh from this window's figures: {why}.
+# The engine's tcp link (link.json): a 4 KiB write's round trip p50 {rtt:.1f} us, 16 MiB writes
+# {gbs:.3f} GB/s. `cpu:` from `omnirig simulate --calibrate-cpu` (cal/cpu.yaml). The engine's
+# tcp defaults: 512 KiB slices, 4 streams.
+slice_bytes: 524288
+in_flight: 4
+seed: 1
+nodes:
+{nodes}switch: {{ gbps: {link}, latency_us: {switch:.2f} }}
+placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
+cpu:
+  generate_ns_per_byte: {val("generate_ns_per_byte")}
+  digest_ns_per_byte: {val("digest_ns_per_byte")}
+  copy_ns_per_byte: {copy:.4f}
+  message_us: {val("message_us")}
+  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
+  wake_us: {val("wake_us")}
+  hosts:
+    - {{ name: localhost, cores: {cores}, nodes: [{", ".join(names)}] }}
+"""
+    open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
+print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
+PY
+if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
+  for f in T E; do
+    "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
+      --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \
+      --measured "$out"/m-c*-*/report.json --out "$out/predicted/$f" > "$out/predicted/$f.log" 2>&1 \
+      && echo "fabric $f: $(tail -1 "$out/predicted/$f/simulate.md")" \
+      || echo "fabric $f: simulate failed (predicted/$f.log)"
+  done
+fi
+echo "sim-validate-tcp: took $((SECONDS - t0)) s; results in $out"
+exit $rc
