@@ -225,6 +225,9 @@ host = open(f"{out}/host-cpu.txt").read()
 responder = float(re.search(r"VM 1 \(responder\) ([0-9.]+)", host).group(1))
 cpu = open(f"{out}/cal/cpu.yaml").read()
 val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cpu, re.M).group(1)
+# the wake by time parked, where the calibration measured it (its block, as written)
+after = re.search(r"^  wake_after:\n(?:    - .*\n)+", cpu, re.M)
+after = after.group(0) if after else ""
 bw_gbps = bw_mib * 1048576 * 8 / 1e9
 variants = {
     "A": (bw_gbps, 1e9 / (bw_mib * 1048576), False,
@@ -259,7 +262,7 @@ cpu:
   message_us: {val("message_us")}
   kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
   wake_us: {val("wake_us")}
-  hosts:
+{after}  hosts:
 {hosts}"""
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 PY

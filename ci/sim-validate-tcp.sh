@@ -14,8 +14,8 @@
 #   ci/sim-validate-tcp.sh [OUT]   OUT (default $TMPDIR/omnirig-sim-tcp) gets link.json,
 #                                  cal/cpu.yaml, cal/cpu-calibration.json, m-cC-I/report.json,
 #                                  load.txt (the load average around each step) and predicted/
-#                                  (fabrics T and E from these figures, each scored against
-#                                  the reports)
+#                                  (fabrics T, W and E from these figures, each scored
+#                                  against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default), OMNIRIG=PATH: a release binary built
 #   elsewhere (a machine without a Rust toolchain); without it the script builds one
 # Run it on a quiet machine: the five stage processes share its cores with whatever else runs.
@@ -60,11 +60,14 @@ done
 
 # The model, from this window's figures alone: two fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
-# round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs:
-#   T: one socket stream's wall time per byte (the calibration's copy; the committed
-#      structure, harness/fabrics/tcp-localhost.yaml);
-#   E: the engine's own 16 MiB write rate, on each side (its 4 streams, as the pipeline
-#      moves a bulk transfer).
+# round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs
+# and in the wake:
+#   T: one socket stream's wall time per byte (the calibration's copy), one wake for any
+#      pause (`wake_us`, after 10 ms): the committed structure, harness/fabrics/tcp-localhost.yaml;
+#   W: as T, the wake by how long the process was parked (`wake_after`, measured after 1, 10
+#      and 100 ms);
+#   E: as T, the copy at the engine's own 16 MiB write rate on each side (its 4 streams, as
+#      the pipeline moves a bulk transfer).
 python3 - "$out" "$(nproc)" << 'PY'
 import json, os, re, sys
 out, cores = sys.argv[1], int(sys.argv[2])
@@ -74,16 +77,23 @@ rtt = fig("write", 4096)["p50_us"]
 gbs = fig("write", 16 << 20)["gbps"]  # GB/s
 cpu = open(f"{out}/cal/cpu.yaml").read()
 val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cpu, re.M).group(1)
+# the wake by time parked, where the calibration measured it (its block, as written)
+after = re.search(r"^  wake_after:\n(?:    - .*\n)+", cpu, re.M)
+after = after.group(0) if after else ""
 one_way = rtt / 2
 switch = max(one_way - 4, 0)  # 2 us in each process's socket, the rest in the loopback
+copy = float(val("copy_ns_per_byte"))
 variants = {
-    "T": (float(val("copy_ns_per_byte")), f"copy at one socket stream's wall time ({val('copy_ns_per_byte')} ns/B)"),
-    "E": (1 / gbs, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s)"),
+    "T": (copy, "", f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
+    "W": (copy, after, f"as T, the wake by time parked (wake_after)"),
+    "E": (1 / gbs, "", f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
 link = f"{gbs * 8:.3f}"
-for name, (copy, why) in variants.items():
+for name, (copy, curve, why) in variants.items():
+    if name == "W" and not curve:
+        continue
     nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {link}, latency_us: 2 }}], "
                     f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
     text = f"""# Fabric {name}, written by ci/sim-validate-tcp.sh from this window's figures: {why}.
@@ -103,14 +113,15 @@ cpu:
   message_us: {val("message_us")}
   kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
   wake_us: {val("wake_us")}
-  hosts:
+{curve}  hosts:
     - {{ name: localhost, cores: {cores}, nodes: [{", ".join(names)}] }}
 """
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T E; do
+  for f in T W E; do
+    [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \
       --measured "$out"/m-c*-*/report.json --out "$out/predicted/$f" > "$out/predicted/$f.log" 2>&1 \

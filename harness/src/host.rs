@@ -27,6 +27,10 @@ use tokio::time::{Duration, Instant};
 ///   copy_ns_per_byte: 0.35      # a transport copying a byte, on each side (tcp send / recv)
 ///   message_us: 12              # per control message, on each side (encode, syscall, wake-up)
 ///   wake_us: 130                # a parked stage process resuming for traffic (latency, no work)
+///   wake_after:                 # optional: the wake by how long the process was parked
+///     - { idle_us: 1000, wake_us: 20 }
+///     - { idle_us: 10000, wake_us: 90 }
+///     - { idle_us: 100000, wake_us: 160 }
 ///   park_us: 50                 # traffic within this of a process's last stays hot
 ///   cores: 0                    # cores of a node no host names; 0: as many as it needs
 ///   hosts:                      # nodes sharing one machine's cores
@@ -55,6 +59,13 @@ pub struct CpuSpec {
     /// reaching the process that waited for it. Latency, not work: no core is busy.
     #[serde(default)]
     pub wake_us: f64,
+    /// The wake by how long the process was parked, where measured: a wake after `idle`
+    /// costs the value interpolated linearly in log(idle) between the points, from nothing at
+    /// `park_us` up to the first, and the last point's beyond it (and for a process that saw
+    /// no traffic yet). Empty: every wake costs `wake_us`. A thread parked for 0.1 ms
+    /// resumes far sooner than one parked for 100 ms (docs/sim.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub wake_after: Vec<WakePoint>,
     /// How long a process's threads stay hot (busy-polling) after its last traffic; traffic
     /// within this pays no wake. Defaults to the engine's tcp busy-poll window.
     #[serde(default = "default_park_us")]
@@ -69,6 +80,17 @@ fn default_park_us() -> f64 {
     50.0
 }
 
+/// One point of [`CpuSpec::wake_after`]: the wake of a process parked for `idle_us`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WakePoint {
+    pub idle_us: f64,
+    pub wake_us: f64,
+}
+
+/// Most points a wake curve may have.
+pub const MAX_WAKE_POINTS: usize = 16;
+
 impl Default for CpuSpec {
     fn default() -> Self {
         CpuSpec {
@@ -78,6 +100,7 @@ impl Default for CpuSpec {
             message_us: 0.0,
             kv_check_ns_per_byte: None,
             wake_us: 0.0,
+            wake_after: Vec::new(),
             park_us: default_park_us(),
             cores: 0,
             hosts: Vec::new(),
@@ -112,6 +135,29 @@ impl CpuSpec {
             if !(v.is_finite() && (0.0..=max).contains(&v)) {
                 return Err(format!("cpu.{field}: {v} is not in [0, {max:e}]"));
             }
+        }
+        if self.wake_after.len() > MAX_WAKE_POINTS {
+            return Err(format!(
+                "cpu.wake_after: {} points, at most {MAX_WAKE_POINTS}",
+                self.wake_after.len()
+            ));
+        }
+        let mut after = self.park_us;
+        for (i, p) in self.wake_after.iter().enumerate() {
+            if !(p.idle_us.is_finite() && p.idle_us > after && p.idle_us <= 1e9) {
+                return Err(format!(
+                    "cpu.wake_after[{i}].idle_us: {} must be above {after} (park_us, then each \
+                     point's) and at most 1e9",
+                    p.idle_us
+                ));
+            }
+            if !(p.wake_us.is_finite() && (0.0..=1e7).contains(&p.wake_us)) {
+                return Err(format!(
+                    "cpu.wake_after[{i}].wake_us: {} is not in [0, 1e7]",
+                    p.wake_us
+                ));
+            }
+            after = p.idle_us;
         }
         if let Some(v) = self.kv_check_ns_per_byte
             && !(v.is_finite() && v > 0.0 && v <= 1e6)
@@ -166,6 +212,34 @@ impl CpuSpec {
             && self.copy_ns_per_byte == 0.0
             && self.message_us == 0.0
             && self.wake_us == 0.0
+            && self.wake_after.iter().all(|p| p.wake_us == 0.0)
+    }
+
+    /// The wake, in microseconds, of a process parked for `idle_us` (None: it saw no
+    /// traffic yet); 0 while it is still hot (see [`wake_after`](Self::wake_after)).
+    pub fn wake_for(&self, idle_us: Option<f64>) -> f64 {
+        if idle_us.is_some_and(|t| t <= self.park_us) {
+            return 0.0;
+        }
+        let Some(last) = self.wake_after.last() else {
+            return self.wake_us;
+        };
+        let t = match idle_us {
+            Some(t) if t < last.idle_us => t,
+            _ => return last.wake_us,
+        };
+        let mut from = WakePoint {
+            idle_us: self.park_us.max(1e-3),
+            wake_us: 0.0,
+        };
+        for p in &self.wake_after {
+            if t <= p.idle_us {
+                let f = (t.ln() - from.idle_us.ln()) / (p.idle_us.ln() - from.idle_us.ln());
+                return from.wake_us + f.clamp(0.0, 1.0) * (p.wake_us - from.wake_us);
+            }
+            from = *p;
+        }
+        last.wake_us
     }
 }
 
@@ -381,17 +455,19 @@ impl Cpu {
     /// was parked and resumes `wake_us` later. A wake is latency, not work: it takes no
     /// core. Returns when the process handles the traffic.
     pub async fn wake(&self, process: &str) {
-        if self.spec.wake_us == 0.0 {
+        if self.spec.wake_us == 0.0 && self.spec.wake_after.is_empty() {
             return;
         }
-        let parked = {
+        let idle_us = {
             let l = self.last.lock().unwrap_or_else(|p| p.into_inner());
-            l.get(process).is_none_or(|&t| {
-                Instant::now().saturating_duration_since(t) > self.us(self.spec.park_us)
+            l.get(process).map(|&t| {
+                let idle = Instant::now().saturating_duration_since(t);
+                idle.as_nanos() as f64 / 1e3 / self.scale as f64
             })
         };
-        if parked {
-            tokio::time::sleep(self.us(self.spec.wake_us)).await;
+        let wake = self.spec.wake_for(idle_us);
+        if wake > 0.0 {
+            tokio::time::sleep(self.us(wake)).await;
         }
         self.touch(process);
     }
@@ -532,6 +608,12 @@ pub struct Calibration {
     /// after a pause, p50s (microseconds), and the pause.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wake_from: Option<WakeSample>,
+    /// The wake by time parked ([`CpuSpec::wake_after`]), one point per pause measured
+    /// ([`Calibration::with_wake_after`]); empty until measured.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub wake_after: Vec<WakePoint>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub wake_after_from: Vec<WakeSample>,
     /// Cores this process may use.
     pub cores: u32,
     /// Bytes each throughput was measured over, and the round trips timed.
@@ -707,6 +789,8 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         round_trip_us: rtt_us,
         wake_us: 0.0,
         wake_from: None,
+        wake_after: Vec::new(),
+        wake_after_from: Vec::new(),
         cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         bytes,
         round_trips: round_trips.max(1),
@@ -810,6 +894,27 @@ impl Calibration {
         self
     }
 
+    /// Sets the wake by time parked from cold round trips after several pauses (each
+    /// against its own back-to-back figure), one point per pause, in the order of the pauses;
+    /// a point below the one before it is raised to it (a deeper park does not wake sooner;
+    /// the difference is noise).
+    pub fn with_wake_after(mut self, mut samples: Vec<WakeSample>) -> Self {
+        samples.sort_by_key(|w| w.gap_us);
+        let mut floor = 0.0f64;
+        self.wake_after = samples
+            .iter()
+            .map(|w| {
+                floor = floor.max(((w.cold_us - w.hot_us) / 2.0).max(0.0));
+                WakePoint {
+                    idle_us: w.gap_us as f64,
+                    wake_us: floor,
+                }
+            })
+            .collect();
+        self.wake_after_from = samples;
+        self
+    }
+
     /// The `cpu:` section of a fabric file, every fabric node in `nodes` on one host with
     /// this machine's cores (as `omnirig run --processes` places its stage processes).
     pub fn cpu_yaml(&self, nodes: &[&str]) -> String {
@@ -841,6 +946,24 @@ impl Calibration {
                 w.gap_us / 1000,
                 self.wake_us,
             );
+        }
+        if !self.wake_after.is_empty() {
+            y += "  # the same write after longer and shorter pauses (back to back, cold, us):\n";
+            for w in &self.wake_after_from {
+                y += &format!(
+                    "  #   {} ms: {:.1}, {:.1}\n",
+                    w.gap_us as f64 / 1000.0,
+                    w.hot_us,
+                    w.cold_us
+                );
+            }
+            y += "  wake_after:\n";
+            for p in &self.wake_after {
+                y += &format!(
+                    "    - {{ idle_us: {}, wake_us: {:.1} }}\n",
+                    p.idle_us, p.wake_us
+                );
+            }
         }
         if !nodes.is_empty() {
             y += &format!(

@@ -410,7 +410,22 @@ fn the_calibration_parses_back_as_a_fabric() {
             cold_us: 260.0,
             gap_us: 10_000,
             repeats: 3,
-        });
+        })
+        .with_wake_after(
+            [
+                (100_000, 340.0),
+                (1_000, 60.0),
+                (10_000, 260.0),
+                (30_000, 250.0),
+            ]
+            .map(|(gap_us, cold_us)| omnirig_harness::host::WakeSample {
+                hot_us: 20.0,
+                cold_us,
+                gap_us,
+                repeats: 3,
+            })
+            .to_vec(),
+        );
     let section = c.cpu_yaml(&nodes);
     let (back, cpu) = sim::fabric_file_from_str(&format!("{text}\n{section}"), "calibrated")
         .unwrap_or_else(|e| panic!("{e}\n{section}"));
@@ -441,6 +456,98 @@ fn the_calibration_parses_back_as_a_fabric() {
     );
     // Two parked processes per cold round trip: each wake is half the difference.
     assert_eq!(cpu.wake_us, 120.0, "{section}");
+    // One point per pause, in order of the pause; the 30 ms point, below the 10 ms one, is
+    // raised to it.
+    let points: Vec<(f64, f64)> = cpu
+        .wake_after
+        .iter()
+        .map(|p| (p.idle_us, p.wake_us))
+        .collect();
+    assert_eq!(
+        points,
+        [
+            (1000.0, 20.0),
+            (10000.0, 120.0),
+            (30000.0, 120.0),
+            (100000.0, 160.0)
+        ],
+        "{section}"
+    );
+}
+
+/// The wake by time parked (`wake_after`): nothing while hot, interpolated in log(idle)
+/// between the points (from nothing at `park_us`), the last point's beyond it and for a
+/// process never seen; without points, `wake_us` for every wake.
+#[test]
+fn a_wake_grows_with_the_time_parked() {
+    use omnirig_harness::host::{Cpu, CpuSpec, WakePoint};
+    use std::time::Duration;
+    let spec = CpuSpec {
+        wake_us: 999.0,
+        park_us: 50.0,
+        wake_after: [(1_000.0, 20.0), (10_000.0, 90.0), (100_000.0, 160.0)]
+            .map(|(idle_us, wake_us)| WakePoint { idle_us, wake_us })
+            .to_vec(),
+        ..CpuSpec::default()
+    };
+    let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    assert_eq!(spec.wake_for(Some(50.0)), 0.0);
+    assert_eq!(spec.wake_for(Some(1_000.0)), 20.0);
+    assert_eq!(spec.wake_for(Some(10_000.0)), 90.0);
+    // halfway in log between 1 and 10 ms: halfway in wake
+    assert!(near(spec.wake_for(Some(10f64.powf(3.5))), 55.0));
+    // between park_us and the first point: from nothing
+    let f = (100f64.ln() - 50f64.ln()) / (1000f64.ln() - 50f64.ln());
+    assert!(near(spec.wake_for(Some(100.0)), 20.0 * f));
+    assert_eq!(spec.wake_for(Some(5e6)), 160.0);
+    assert_eq!(spec.wake_for(None), 160.0);
+    let flat = CpuSpec {
+        wake_us: 999.0,
+        ..CpuSpec::default()
+    };
+    assert_eq!(flat.wake_for(Some(100.0)), 999.0);
+    assert_eq!(flat.wake_for(Some(20.0)), 0.0);
+
+    // In a run: a process's wake follows how long it was parked.
+    let rt = paused_runtime();
+    rt.block_on(async {
+        // a tokio millisecond is a modelled microsecond
+        let cpu = Cpu::new(spec.clone(), &["a"], 1000).unwrap();
+        let us = Duration::from_millis;
+        let timed = || async {
+            let t0 = tokio::time::Instant::now();
+            cpu.wake("a/engine").await;
+            t0.elapsed()
+        };
+        assert_eq!(timed().await, us(160), "never seen");
+        tokio::time::sleep(us(1_000)).await;
+        assert_eq!(timed().await, us(20));
+        tokio::time::sleep(us(10_000)).await;
+        assert_eq!(timed().await, us(90));
+        tokio::time::sleep(us(30)).await;
+        assert_eq!(timed().await, us(0), "hot");
+    });
+
+    // Bad curves are refused naming the point.
+    let bad = |wake_after: Vec<(f64, f64)>| {
+        CpuSpec {
+            wake_after: wake_after
+                .into_iter()
+                .map(|(idle_us, wake_us)| WakePoint { idle_us, wake_us })
+                .collect(),
+            ..CpuSpec::default()
+        }
+        .validate(&[])
+        .unwrap_err()
+    };
+    let e = bad(vec![(1000.0, 1.0), (900.0, 2.0)]);
+    assert!(e.starts_with("cpu.wake_after[1].idle_us: 900"), "{e}");
+    let e = bad(vec![(40.0, 1.0)]);
+    assert!(e.starts_with("cpu.wake_after[0].idle_us: 40"), "{e}");
+    let e = bad(vec![(1000.0, f64::NAN)]);
+    assert!(e.starts_with("cpu.wake_after[0].wake_us: NaN"), "{e}");
+    let e = bad(vec![(1000.0, 1.0); 17]);
+    assert!(e.contains("at most 16"), "{e}");
 }
 
 /// With a host model a run's CPU work takes virtual time (so e2e grows), and the run stays

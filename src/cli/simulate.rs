@@ -58,9 +58,11 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
         None => omnirig_transports::FabricSpec::default(),
     };
     let nodes: Vec<&str> = fabric.nodes.iter().map(|n| n.name.as_str()).collect();
+    let (wake, after) = measure_wake().context("measuring a parked process's wake-up")?;
     let c = omnirig_harness::host::calibrate(args.calibrate_mib << 20, 2000)
         .context("calibrating the host model")?
-        .with_wake(measure_wake().context("measuring a parked process's wake-up")?);
+        .with_wake(wake)
+        .with_wake_after(after);
     let yaml = c.cpu_yaml(&nodes);
     print!("{yaml}");
     if let Some(dir) = &args.out {
@@ -80,19 +82,33 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
 /// measured smaller wakes (1 ms: about 40%).
 const WAKE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 const WAKE_REPEATS: usize = 3;
+/// The pauses of the wake by time parked (`wake_after`): a stage's engine thread waiting
+/// for an acknowledgement parks for a fraction of a millisecond, a stage idle between
+/// requests for tens to hundreds; the wake grows with the pause (docs/sim.md).
+const WAKE_AFTER_GAPS: [std::time::Duration; 3] = [
+    std::time::Duration::from_millis(1),
+    WAKE_GAP,
+    std::time::Duration::from_millis(100),
+];
 
 /// An engine's 4 KiB write to a peer process (`bench transfer`'s tcp suite, on the
-/// multi-thread runtime `omnirig run` uses), back to back and after [`WAKE_GAP`], each
-/// [`WAKE_REPEATS`] times, alternating; the medians of the p50s.
-fn measure_wake() -> anyhow::Result<omnirig_harness::host::WakeSample> {
+/// multi-thread runtime `omnirig run` uses), back to back and after each pause of
+/// [`WAKE_AFTER_GAPS`], [`WAKE_REPEATS`] times, in turn; the medians of the p50s. Returns
+/// the sample after [`WAKE_GAP`] (`wake_us`) and one per pause (`wake_after`).
+fn measure_wake() -> anyhow::Result<(
+    omnirig_harness::host::WakeSample,
+    Vec<omnirig_harness::host::WakeSample>,
+)> {
     use crate::bench::transfer;
     let p50 = |gap: std::time::Duration| -> anyhow::Result<f64> {
+        // 200 writes, fewer after long pauses (30 after 100 ms: 3 s)
+        let iters = (200.0_f64).min((3.0 / gap.as_secs_f64().max(1e-9)).max(30.0)) as usize;
         let o = transfer::Options {
             transport: omnirig_transports::TransportKind::Tcp,
             sizes: vec![4096],
             budget: 1 << 30,
-            min_iters: 200,
-            max_iters: 200,
+            min_iters: iters,
+            max_iters: iters,
             tcp: omnirig_transports::TcpConfig::default(),
             perftest_seconds: 0,
             rounds: 1,
@@ -112,17 +128,31 @@ fn measure_wake() -> anyhow::Result<omnirig_harness::host::WakeSample> {
             .context("bench transfer returned no write row")?;
         Ok(w.omnirig.p50_us)
     };
-    let (mut hot, mut cold) = (Vec::new(), Vec::new());
+    let mut hot = Vec::new();
+    let mut cold = vec![Vec::new(); WAKE_AFTER_GAPS.len()];
     for _ in 0..WAKE_REPEATS {
         hot.push(p50(std::time::Duration::ZERO)?);
-        cold.push(p50(WAKE_GAP)?);
+        for (c, gap) in cold.iter_mut().zip(WAKE_AFTER_GAPS) {
+            c.push(p50(gap)?);
+        }
     }
-    Ok(omnirig_harness::host::WakeSample {
-        hot_us: median(&mut hot),
-        cold_us: median(&mut cold),
-        gap_us: WAKE_GAP.as_micros() as u64,
-        repeats: WAKE_REPEATS,
-    })
+    let hot_us = median(&mut hot);
+    let after: Vec<_> = cold
+        .iter_mut()
+        .zip(WAKE_AFTER_GAPS)
+        .map(|(c, gap)| omnirig_harness::host::WakeSample {
+            hot_us,
+            cold_us: median(c),
+            gap_us: gap.as_micros() as u64,
+            repeats: WAKE_REPEATS,
+        })
+        .collect();
+    let at_gap = after
+        .iter()
+        .find(|w| w.gap_us == WAKE_GAP.as_micros() as u64)
+        .cloned()
+        .context("WAKE_AFTER_GAPS holds WAKE_GAP")?;
+    Ok((at_gap, after))
 }
 
 #[derive(Debug, Clone, Serialize)]
