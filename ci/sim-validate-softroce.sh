@@ -18,7 +18,7 @@
 #                                       qemu-cpu.log (each QEMU process's host CPU, sampled
 #                                       here every 0.2 s), host-cpu.txt (what ib_write_bw's
 #                                       bytes cost this machine's cores, the engine's rate,
-#                                       the wake) and predicted/ (fabrics A, E, S from these
+#                                       the wake) and predicted/ (fabrics A, E, W, S from these
 #                                       figures, each scored against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default)
 # Needs what ci/hil-softroce.sh needs. Builds the release binary with --features hil (the
@@ -202,6 +202,7 @@ PY
 # calibrated `cpu:` costs, differing in the link's rate and in where a byte's copy runs.
 #   A: the link at ib_write_bw's rate, each VM a host of its own (the committed structure);
 #   E: the link at the engine's write-x16 rate (bulk.json), each VM a host of its own;
+#   W: as E, with the wake by time parked (`wake_after`) where the calibration measured it;
 #   S: as E, but both VMs one host of this machine's cores (TCG runs every vCPU on them),
 #      a byte's copy charged on each side at the responder's host CPU per byte during
 #      ib_write_bw (VM 1 sleeps in that test; VM 0's figure includes perftest's busy-poll).
@@ -234,12 +235,17 @@ variants = {
           f"link at ib_write_bw's {bw_mib:.2f} MiB/s; copy per side at that rate; a host per VM"),
     "E": (x16 * 8, 1 / x16, False,
           f"link at the engine's write-x16 {x16 * 1e3:.2f} MB/s; copy per side at that rate; a host per VM"),
+    "W": (x16 * 8, 1 / x16, False,
+          f"as E, the wake by time parked (wake_after, the calibration's tcp writes in VM 0)"),
     "S": (x16 * 8, responder, True,
           f"link at the engine's write-x16 {x16 * 1e3:.2f} MB/s; copy per side {responder:.3f} ns/B "
           f"(the responder's host CPU during ib_write_bw); both VMs one host of {cores} cores"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 for name, (gbps, copy, shared, why) in variants.items():
+    if name == "W" and not after:
+        continue
+    curve = after if name == "W" else ""
     hosts = (f"    - {{ name: machine, cores: {cores}, nodes: [vm0, vm1] }}\n" if shared else
              "    - { name: vm0, cores: 2, nodes: [vm0] }\n    - { name: vm1, cores: 2, nodes: [vm1] }\n")
     link = f"{gbps:.4f}"
@@ -262,12 +268,13 @@ cpu:
   message_us: {val("message_us")}
   kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
   wake_us: {val("wake_us")}
-{after}  hosts:
+{curve}  hosts:
 {hosts}"""
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 PY
 if [[ -n ${fabrics:-} ]] && compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in A E S; do
+  for f in A E W S; do
+    [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     target/release/omnirig simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${SIM_CONCURRENCY// /,}" \
       --measured "$out"/m-c*-*/report.json --out "$out/predicted/$f" > "$out/predicted/$f.log" 2>&1 \
