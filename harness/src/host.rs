@@ -452,8 +452,9 @@ impl Cpu {
     }
 
     /// Traffic reaching stage process `process`: if it saw none for `park_us` (or ever), it
-    /// was parked and resumes `wake_us` later. A wake is latency, not work: it takes no
-    /// core. Returns when the process handles the traffic.
+    /// was parked and resumes later by [`CpuSpec::wake_for`] its time parked (`wake_us`
+    /// without a `wake_after` curve). A wake is latency, not work: it takes no core. Returns
+    /// when the process handles the traffic.
     pub async fn wake(&self, process: &str) {
         if self.spec.wake_us == 0.0 && self.spec.wake_after.is_empty() {
             return;
@@ -895,7 +896,7 @@ impl Calibration {
     }
 
     /// Sets the wake by time parked from cold round trips after several pauses (each
-    /// against its own back-to-back figure), one point per pause, in the order of the pauses;
+    /// against its back-to-back figure), one point per pause, in the order of the pauses;
     /// a point below the one before it is raised to it (a deeper park does not wake sooner;
     /// the difference is noise).
     pub fn with_wake_after(mut self, mut samples: Vec<WakeSample>) -> Self {
