@@ -38,11 +38,12 @@ load "$(nproc) cores, built in $((SECONDS - t0)) s"
 
 t=$SECONDS
 "$exe" bench transfer --transport tcp --runtime multi --sizes 4K,16M --json "$out/link.json" \
-  > "$out/link.log" 2>&1
+  > "$out/link.log" 2>&1 || { echo "the link's bench failed:"; tail "$out/link.log"; exit 1; }
 load "link"
 echo "link: $((SECONDS - t)) s"
 t=$SECONDS
-"$exe" simulate --calibrate-cpu --out "$out/cal" > "$out/calibrate.log" 2>&1
+"$exe" simulate --calibrate-cpu --out "$out/cal" > "$out/calibrate.log" 2>&1 \
+  || { echo "the calibration failed:"; tail "$out/calibrate.log"; exit 1; }
 load "calibration"
 echo "calibration: $((SECONDS - t)) s"
 "$exe" simulate --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \
