@@ -209,6 +209,8 @@ PY
 # Each is set against this run's reports (`simulate --measured`) in predicted/.
 python3 - "$out" "$(nproc)" << 'PY' && fabrics=ok || { fabrics=; echo "no fabrics: a figure is missing"; }
 import json, os, re, sys
+sys.path.insert(0, "ci")
+from sim_fabric import cpu_section, wake_after
 out, cores = sys.argv[1], int(sys.argv[2])
 perf = open(f"{out}/perftest.txt").read()
 def column(tool, name):  # the figure under `name` in the result line after tool's header
@@ -225,10 +227,6 @@ x16 = next(r["omnirig"]["gbps"] for r in rows if r["op"] == "write-x16")  # GB/s
 host = open(f"{out}/host-cpu.txt").read()
 responder = float(re.search(r"VM 1 \(responder\) ([0-9.]+)", host).group(1))
 cpu = open(f"{out}/cal/cpu.yaml").read()
-val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cpu, re.M).group(1)
-# the wake by time parked, where the calibration measured it (its block, as written)
-after = re.search(r"^  wake_after:\n(?:    - .*\n)+", cpu, re.M)
-after = after.group(0) if after else ""
 bw_gbps = bw_mib * 1048576 * 8 / 1e9
 variants = {
     "A": (bw_gbps, 1e9 / (bw_mib * 1048576), False,
@@ -243,9 +241,8 @@ variants = {
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 for name, (gbps, copy, shared, why) in variants.items():
-    if name == "W" and not after:
+    if name == "W" and not wake_after(cpu):
         continue
-    curve = after if name == "W" else ""
     hosts = (f"    - {{ name: machine, cores: {cores}, nodes: [vm0, vm1] }}\n" if shared else
              "    - { name: vm0, cores: 2, nodes: [vm0] }\n    - { name: vm1, cores: 2, nodes: [vm1] }\n")
     link = f"{gbps:.4f}"
@@ -261,15 +258,7 @@ nodes:
   - {{ name: vm1, nics: [{{ name: rxe0, gbps: {link}, latency_us: 1 }}], local: {{ gbps: {link}, latency_us: 1 }} }}
 links: [{{ between: [vm0, vm1], gbps: {link}, latency_us: {lat - 2:.2f} }}]
 placement: {{ encoder: vm0, thinker_prefill: vm1, thinker_decode: vm0, talker: vm1, code2wav: vm0 }}
-cpu:
-  generate_ns_per_byte: {val("generate_ns_per_byte")}
-  digest_ns_per_byte: {val("digest_ns_per_byte")}
-  copy_ns_per_byte: {copy:.3f}
-  message_us: {val("message_us")}
-  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
-  wake_us: {val("wake_us")}
-{curve}  hosts:
-{hosts}"""
+""" + cpu_section(cpu, f"{copy:.3f}", hosts, curve=name == "W")
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 PY
 if [[ -n ${fabrics:-} ]] && compgen -G "$out/m-c*-*/report.json" > /dev/null; then

@@ -71,29 +71,27 @@ done
 #      the pipeline moves a bulk transfer).
 python3 - "$out" "$(nproc)" << 'PY'
 import json, os, re, sys
+sys.path.insert(0, "ci")
+from sim_fabric import cpu_section, wake_after
 out, cores = sys.argv[1], int(sys.argv[2])
 rows = json.load(open(f"{out}/link.json"))["rows"]
 fig = lambda op, size: next(r["omnirig"] for r in rows if r["op"] == op and r["size"] == size)
 rtt = fig("write", 4096)["p50_us"]
 gbs = fig("write", 16 << 20)["gbps"]  # GB/s
 cpu = open(f"{out}/cal/cpu.yaml").read()
-val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cpu, re.M).group(1)
-# the wake by time parked, where the calibration measured it (its block, as written)
-after = re.search(r"^  wake_after:\n(?:    - .*\n)+", cpu, re.M)
-after = after.group(0) if after else ""
 one_way = rtt / 2
 switch = max(one_way - 4, 0)  # 2 us in each process's socket, the rest in the loopback
-copy = float(val("copy_ns_per_byte"))
+copy = float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
 variants = {
-    "T": (copy, "", f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
-    "W": (copy, after, f"as T, the wake by time parked (wake_after)"),
-    "E": (1 / gbs, "", f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "T": (copy, False, f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
+    "W": (copy, True, f"as T, the wake by time parked (wake_after)"),
+    "E": (1 / gbs, False, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
 link = f"{gbs * 8:.3f}"
 for name, (copy, curve, why) in variants.items():
-    if name == "W" and not curve:
+    if curve and not wake_after(cpu):
         continue
     nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {link}, latency_us: 2 }}], "
                     f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
@@ -107,16 +105,8 @@ seed: 1
 nodes:
 {nodes}switch: {{ gbps: {link}, latency_us: {switch:.2f} }}
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
-cpu:
-  generate_ns_per_byte: {val("generate_ns_per_byte")}
-  digest_ns_per_byte: {val("digest_ns_per_byte")}
-  copy_ns_per_byte: {copy:.4f}
-  message_us: {val("message_us")}
-  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
-  wake_us: {val("wake_us")}
-{curve}  hosts:
-    - {{ name: localhost, cores: {cores}, nodes: [{", ".join(names)}] }}
-"""
+""" + cpu_section(cpu, f"{copy:.4f}",
+                  f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve)
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY

@@ -101,8 +101,12 @@ fn measure_wake() -> anyhow::Result<(
 )> {
     use crate::bench::transfer;
     let p50 = |gap: std::time::Duration| -> anyhow::Result<f64> {
-        // 200 writes, fewer after long pauses (30 after 100 ms: 3 s)
-        let iters = (200.0_f64).min((3.0 / gap.as_secs_f64().max(1e-9)).max(30.0)) as usize;
+        // 200 writes; 30 after the 100 ms pause (3 s a run)
+        let iters = if gap >= std::time::Duration::from_millis(100) {
+            30
+        } else {
+            200
+        };
         let o = transfer::Options {
             transport: omnirig_transports::TransportKind::Tcp,
             sizes: vec![4096],

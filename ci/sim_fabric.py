@@ -1,0 +1,24 @@
+"""The `cpu:` section that ci/sim-validate-tcp.sh and ci/sim-validate-softroce.sh write into
+the fabrics they build, from `omnirig simulate --calibrate-cpu`'s cpu.yaml (docs/sim.md)."""
+import re
+
+
+def wake_after(cal):
+    """The calibration's wake by time parked, its block as written; "" where it has none."""
+    m = re.search(r"^  wake_after:\n(?:    - .*\n)+", cal, re.M)
+    return m.group(0) if m else ""
+
+
+def cpu_section(cal, copy, hosts, curve=False):
+    """The section from calibration text `cal`, with the copy cost `copy` (ns/B, formatted),
+    the `hosts` lines (each ending in a newline), and the wake by time parked when `curve`."""
+    val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cal, re.M).group(1)
+    return f"""cpu:
+  generate_ns_per_byte: {val("generate_ns_per_byte")}
+  digest_ns_per_byte: {val("digest_ns_per_byte")}
+  copy_ns_per_byte: {copy}
+  message_us: {val("message_us")}
+  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
+  wake_us: {val("wake_us")}
+{wake_after(cal) if curve else ""}  hosts:
+{hosts}"""
