@@ -14,14 +14,14 @@
 #   ci/sim-validate-tcp.sh [OUT]   OUT (default $TMPDIR/omnirig-sim-tcp) gets link.json,
 #                                  cal/cpu.yaml, cal/cpu-calibration.json, m-cC-I/report.json,
 #                                  load.txt (the load average around each step) and predicted/
-#                                  (fabrics T, W and E from these figures, each scored
+#                                  (fabrics T, W, E, C, K and L from these figures, each scored
 #                                  against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default), OMNIRIG=PATH: a release binary built
 #   elsewhere (a machine without a Rust toolchain); without it the script builds one
 # Run it on a quiet machine: the five stage processes share its cores with whatever else runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=$(readlink -f "${1:-${TMPDIR:-/tmp}/omnirig-sim-tcp}")
+out=$(realpath -m "${1:-${TMPDIR:-/tmp}/omnirig-sim-tcp}")
 rm -rf "$out"
 mkdir -p "$out"
 t0=$SECONDS
@@ -59,20 +59,27 @@ for c in $conc; do
   done
 done
 
-# The model, from this window's figures alone: two fabrics, five stage processes as five
+# The model, from this window's figures alone: six fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
-# round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs
-# and in the wake:
+# round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
+# the wake, the check and the loopback's capacity:
 #   T: one socket stream's wall time per byte (the calibration's copy), one wake for any
 #      pause (`wake_us`, after 10 ms): the committed structure, harness/fabrics/tcp-localhost.yaml;
 #   W: as T, the wake by how long the process was parked (`wake_after`, measured after 1, 10
 #      and 100 ms);
 #   E: as T, the copy at the engine's own 16 MiB write rate on each side (its 4 streams, as
-#      the pipeline moves a bulk transfer).
+#      the pipeline moves a bulk transfer);
+#   C: as T, a whole tensor's check at the stubs' measured check (`check_ns_per_byte`,
+#      `check_us`) instead of the bulk rates;
+#   K: as W, with the measured check (C and W together);
+#   L: as K, the loopback's capacity (the NICs and the switch) times max(1, cores / 4). The
+#      16 MiB write rate is one transfer on 4 streams, whose threads take about 4 cores; on
+#      loopback the wire is those cores, so a machine of more cores runs that many such
+#      transfers side by side at the full rate (on 2 or 4 cores, L is K).
 python3 - "$out" "$(nproc)" << 'PY'
 import json, os, re, sys
 sys.path.insert(0, "ci")
-from sim_fabric import cpu_section, wake_after
+from sim_fabric import check, cpu_section, wake_after
 out, cores = sys.argv[1], int(sys.argv[2])
 rows = json.load(open(f"{out}/link.json"))["rows"]
 fig = lambda op, size: next(r["omnirig"] for r in rows if r["op"] == op and r["size"] == size)
@@ -83,15 +90,19 @@ one_way = rtt / 2
 switch = max(one_way - 4, 0)  # 2 us in each process's socket, the rest in the loopback
 copy = float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
 variants = {
-    "T": (copy, False, f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
-    "W": (copy, True, f"as T, the wake by time parked (wake_after)"),
-    "E": (1 / gbs, False, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "T": (copy, False, False, 1, f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
+    "W": (copy, True, False, 1, f"as T, the wake by time parked (wake_after)"),
+    "E": (1 / gbs, False, False, 1, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "C": (copy, False, True, 1, f"as T, a whole tensor's check at the stubs' measured check"),
+    "K": (copy, True, True, 1, f"as W, with the measured check"),
+    "L": (copy, True, True, max(1, cores // 4),
+          f"as K, the loopback's capacity times max(1, cores / 4) = {max(1, cores // 4)}"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
-link = f"{gbs * 8:.3f}"
-for name, (copy, curve, why) in variants.items():
-    if curve and not wake_after(cpu):
+for name, (copy, curve, checked, scale, why) in variants.items():
+    link = f"{gbs * 8 * scale:.3f}"
+    if (curve and not wake_after(cpu)) or (checked and not check(cpu)):
         continue
     nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {link}, latency_us: 2 }}], "
                     f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
@@ -106,12 +117,13 @@ nodes:
 {nodes}switch: {{ gbps: {link}, latency_us: {switch:.2f} }}
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 """ + cpu_section(cpu, f"{copy:.4f}",
-                  f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve)
+                  f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve,
+                  checked)
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E; do
+  for f in T W E C K L; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \

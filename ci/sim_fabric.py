@@ -9,9 +9,17 @@ def wake_after(cal):
     return m.group(0) if m else ""
 
 
-def cpu_section(cal, copy, hosts, curve=False):
+def check(cal):
+    """The calibration's whole-tensor check (rate and fixed cost), its lines as written; ""
+    where it has none (a calibration made before the check was measured)."""
+    m = re.search(r"^  check_ns_per_byte: .*\n  check_us: .*\n", cal, re.M)
+    return m.group(0) if m else ""
+
+
+def cpu_section(cal, copy, hosts, curve=False, checked=False):
     """The section from calibration text `cal`, with the copy cost `copy` (ns/B, formatted),
-    the `hosts` lines (each ending in a newline), and the wake by time parked when `curve`."""
+    the `hosts` lines (each ending in a newline), the wake by time parked when `curve`, and
+    the measured whole-tensor check when `checked`."""
     val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cal, re.M).group(1)
     return f"""cpu:
   generate_ns_per_byte: {val("generate_ns_per_byte")}
@@ -19,6 +27,6 @@ def cpu_section(cal, copy, hosts, curve=False):
   copy_ns_per_byte: {copy}
   message_us: {val("message_us")}
   kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
-  wake_us: {val("wake_us")}
+{check(cal) if checked else ""}  wake_us: {val("wake_us")}
 {wake_after(cal) if curve else ""}  hosts:
 {hosts}"""

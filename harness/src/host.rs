@@ -54,6 +54,17 @@ pub struct CpuSpec {
     /// it is charged as generate + 2 x digest. Under TCG it costs 1.7x that (docs/sim.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_check_ns_per_byte: Option<f64>,
+    /// A whole inbound tensor's check when it is byte-compared (at most
+    /// `BYTE_COMPARE_MAX`: digest, the expected digest, a fresh generation, the compare), per
+    /// byte, as `--calibrate-cpu` measures the stubs' check; unset, it is charged as
+    /// 2 x generate + 2 x digest, a quarter to a half below the check timed here (docs/sim.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check_ns_per_byte: Option<f64>,
+    /// What each whole inbound tensor's check costs beyond its bytes (the generator's setup,
+    /// a cold cache after the consumer parked), microseconds; charged where the expected
+    /// digest is made, not where it was remembered.
+    #[serde(default)]
+    pub check_us: f64,
     /// Scheduling delay, in microseconds, before a stage process that has been parked
     /// resumes: a control message or a transfer reaching it, or a transfer's completion
     /// reaching the process that waited for it. Latency, not work: no core is busy.
@@ -99,6 +110,8 @@ impl Default for CpuSpec {
             copy_ns_per_byte: 0.0,
             message_us: 0.0,
             kv_check_ns_per_byte: None,
+            check_ns_per_byte: None,
+            check_us: 0.0,
             wake_us: 0.0,
             wake_after: Vec::new(),
             park_us: default_park_us(),
@@ -129,6 +142,7 @@ impl CpuSpec {
             ("digest_ns_per_byte", self.digest_ns_per_byte, 1e6),
             ("copy_ns_per_byte", self.copy_ns_per_byte, 1e6),
             ("message_us", self.message_us, 1e7),
+            ("check_us", self.check_us, 1e7),
             ("wake_us", self.wake_us, 1e7),
             ("park_us", self.park_us, 1e7),
         ] {
@@ -163,6 +177,11 @@ impl CpuSpec {
             && !(v.is_finite() && v > 0.0 && v <= 1e6)
         {
             return Err(format!("cpu.kv_check_ns_per_byte: {v} is not in (0, 1e6]"));
+        }
+        if let Some(v) = self.check_ns_per_byte
+            && !(v.is_finite() && v > 0.0 && v <= 1e6)
+        {
+            return Err(format!("cpu.check_ns_per_byte: {v} is not in (0, 1e6]"));
         }
         if self.cores > MAX_CORES {
             return Err(format!(
@@ -211,6 +230,7 @@ impl CpuSpec {
             && self.digest_ns_per_byte == 0.0
             && self.copy_ns_per_byte == 0.0
             && self.message_us == 0.0
+            && self.check_us == 0.0
             && self.wake_us == 0.0
             && self.wake_after.iter().all(|p| p.wake_us == 0.0)
     }
@@ -441,7 +461,7 @@ impl Cpu {
         self.us(self.spec.message_us)
     }
 
-    fn us(&self, us: f64) -> Duration {
+    pub(crate) fn us(&self, us: f64) -> Duration {
         Duration::from_nanos((us * 1e3 * self.scale as f64).round() as u64)
     }
 
@@ -499,6 +519,18 @@ pub fn control_thread(process: &str) -> String {
     format!("{process}/control")
 }
 
+/// A whole tensor's check per byte: a digest of what arrived, and unless the expected digest
+/// was remembered, the expected bytes generated and digested, and generated afresh and
+/// compared when `regenerate` (small tensors), at the measured check's rate where known.
+fn verify_ns_per_byte(s: &CpuSpec, remembered: bool, regenerate: bool) -> f64 {
+    match (remembered, regenerate, s.check_ns_per_byte) {
+        (true, _, _) => s.digest_ns_per_byte,
+        (false, true, Some(per)) => per,
+        (false, true, None) => 2.0 * (s.generate_ns_per_byte + s.digest_ns_per_byte),
+        (false, false, _) => s.generate_ns_per_byte + 2.0 * s.digest_ns_per_byte,
+    }
+}
+
 /// A stage's view of the model: its own host, its peers' hosts, the costs.
 #[derive(Debug, Clone)]
 pub struct StageCpu {
@@ -522,16 +554,17 @@ impl StageCpu {
     /// Verifying `bytes` that arrived: digesting them, and making the expected digest
     /// (generating the expected bytes and digesting them) unless it was remembered;
     /// `regenerate` adds the byte compare's fresh copy (small tensors).
+    /// Where measured, a byte-compared check costs `check_ns_per_byte`, and every check
+    /// that makes its expected digest `check_us` more.
     pub async fn verify(&self, bytes: u64, remembered: bool, regenerate: bool) {
         let s = self.cpu.spec();
-        let mut per = s.digest_ns_per_byte;
+        let mut w = self
+            .cpu
+            .work(bytes, verify_ns_per_byte(s, remembered, regenerate));
         if !remembered {
-            per += s.generate_ns_per_byte + s.digest_ns_per_byte;
-            if regenerate {
-                per += s.generate_ns_per_byte;
-            }
+            w += self.cpu.us(s.check_us);
         }
-        self.host.run(self.cpu.work(bytes, per)).await;
+        self.host.run(w).await;
     }
 
     /// Verifying `bytes` of KV blocks that arrived in the decode stage's pool: against the
@@ -540,7 +573,10 @@ impl StageCpu {
     pub async fn verify_kv(&self, bytes: u64, remembered: bool) {
         match self.cpu.spec().kv_check_ns_per_byte {
             Some(per) if !remembered => self.host.run(self.cpu.work(bytes, per)).await,
-            _ => self.verify(bytes, remembered, false).await,
+            _ => {
+                let per = verify_ns_per_byte(self.cpu.spec(), remembered, false);
+                self.host.run(self.cpu.work(bytes, per)).await
+            }
         }
     }
 
@@ -615,6 +651,14 @@ pub struct Calibration {
     pub wake_after: Vec<WakePoint>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub wake_after_from: Vec<WakeSample>,
+    /// The whole-tensor check's rate and its cost beyond its bytes
+    /// ([`CpuSpec::check_ns_per_byte`], [`CpuSpec::check_us`]), fitted by
+    /// [`Calibration::with_checks`] from `checks`; unset until measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub check_ns_per_byte: Option<f64>,
+    pub check_us: f64,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<CheckSample>,
     /// Cores this process may use.
     pub cores: u32,
     /// Bytes each throughput was measured over, and the round trips timed.
@@ -792,6 +836,9 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         wake_from: None,
         wake_after: Vec::new(),
         wake_after_from: Vec::new(),
+        check_ns_per_byte: None,
+        check_us: 0.0,
+        checks: Vec::new(),
         cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         bytes,
         round_trips: round_trips.max(1),
@@ -874,6 +921,88 @@ fn kv_check_in_pool(
     Ok(runs[1] / (u64::from(layers) * 2 * blocks * block_bytes) as f64)
 }
 
+/// A whole inbound tensor's check as the stage runs it ([`omnirig_model_stubs::Stub::check_input`]:
+/// length, digest against the expected one generated, byte compare against a fresh
+/// generation), timed on every golden case's byte-compared inputs (at most
+/// [`omnirig_model_stubs::BYTE_COMPARE_MAX`], KV excluded), produced by the upstream stub.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CheckSample {
+    pub tensor: String,
+    pub bytes: u64,
+    /// Back to back, median of the repeats, microseconds.
+    pub hot_us: f64,
+    /// Each check after a pause of `gap_us` (the consumer parked while the bytes came),
+    /// median of the repeats, microseconds.
+    pub cold_us: f64,
+    pub gap_us: u64,
+}
+
+/// Tensors whose checks give the check's rate ([`Calibration::with_checks`]).
+pub const CHECK_RATE_MIN_BYTES: u64 = 64 << 10;
+/// Tensors whose checks give its fixed cost.
+pub const CHECK_FIXED_MAX_BYTES: u64 = 16 << 10;
+
+/// Times the stubs' whole-tensor check (see [`CheckSample`]), `repeats` times each way.
+pub fn measure_checks(
+    repeats: usize,
+    gap: std::time::Duration,
+) -> std::io::Result<Vec<CheckSample>> {
+    use omnirig_fixtures::{ModelCard, PayloadKind, ShapeOptions, golden_cases, plan_request};
+    use omnirig_model_stubs::{BYTE_COMPARE_MAX, ComputeTime, Stub};
+    let io = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
+    let card = ModelCard::qwen3_omni();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let repeats = repeats.max(1);
+    let mut out = Vec::new();
+    for case in golden_cases() {
+        let plan =
+            plan_request(&card, &case.request, &ShapeOptions::default()).map_err(|e| io(&e))?;
+        for hop in plan
+            .hops
+            .iter()
+            .filter(|h| h.payload_kind != PayloadKind::KvCache)
+        {
+            let up = Stub::new(hop.source, ComputeTime::default());
+            let down = Stub::new(hop.target, ComputeTime::default());
+            for t in hop
+                .tensors
+                .iter()
+                .filter(|t| t.byte_length <= BYTE_COMPARE_MAX)
+            {
+                let mut bytes = vec![0u8; t.byte_length as usize];
+                up.produce(&plan, t, 0, &mut bytes).map_err(|e| io(&e))?;
+                let once = || -> std::io::Result<f64> {
+                    let t0 = std::time::Instant::now();
+                    down.check_input(&plan, &t.name, std::hint::black_box(&bytes))
+                        .map_err(|e| io(&e))?;
+                    Ok(t0.elapsed().as_nanos() as f64 / 1e3)
+                };
+                once()?;
+                let hot = (0..repeats)
+                    .map(|_| once())
+                    .collect::<std::io::Result<Vec<_>>>()?;
+                let cold = (0..repeats)
+                    .map(|_| {
+                        std::thread::sleep(gap);
+                        once()
+                    })
+                    .collect::<std::io::Result<Vec<_>>>()?;
+                out.push(CheckSample {
+                    tensor: format!("{}/{}/{}", case.name, hop.payload_kind, t.name),
+                    bytes: t.byte_length,
+                    hot_us: median(hot),
+                    cold_us: median(cold),
+                    gap_us: gap.as_micros() as u64,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// An engine write's round trip to a peer process, hot and cold (the wake's measurement).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WakeSample {
@@ -916,6 +1045,39 @@ impl Calibration {
         self
     }
 
+    /// Sets the whole-tensor check from [`measure_checks`]' samples: its rate is the median
+    /// over tensors of at least [`CHECK_RATE_MIN_BYTES`] of the back-to-back time per byte
+    /// (where the fixed part is lost in the bytes), its fixed cost the median over tensors
+    /// of at most [`CHECK_FIXED_MAX_BYTES`] of the time after a pause less their bytes at
+    /// that rate (a pipeline's consumer checks what arrived after parking for it).
+    pub fn with_checks(mut self, samples: Vec<CheckSample>) -> Self {
+        let median = |mut v: Vec<f64>| -> Option<f64> {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied()
+        };
+        let rate = median(
+            samples
+                .iter()
+                .filter(|c| c.bytes >= CHECK_RATE_MIN_BYTES)
+                .map(|c| c.hot_us * 1e3 / c.bytes as f64)
+                .collect(),
+        );
+        self.check_ns_per_byte = rate;
+        self.check_us = rate
+            .and_then(|r| {
+                median(
+                    samples
+                        .iter()
+                        .filter(|c| c.bytes <= CHECK_FIXED_MAX_BYTES)
+                        .map(|c| (c.cold_us - c.bytes as f64 * r / 1e3).max(0.0))
+                        .collect(),
+                )
+            })
+            .unwrap_or(0.0);
+        self.checks = samples;
+        self
+    }
+
     /// The `cpu:` section of a fabric file, every fabric node in `nodes` on one host with
     /// this machine's cores (as `omnirig run --processes` places its stage processes).
     pub fn cpu_yaml(&self, nodes: &[&str]) -> String {
@@ -939,6 +1101,15 @@ impl Calibration {
             self.kv_verify_ns_per_byte,
             self.kv_verify_pool_ns_per_byte,
         );
+        if let Some(r) = self.check_ns_per_byte {
+            let pause = self.checks.first().map_or(0, |c| c.gap_us / 1000);
+            y += &format!(
+                "  # the stubs' check of a whole tensor up to 4 MiB, {} tensors: per byte back to back,\n\
+                 \x20 # and beyond its bytes after {pause} ms idle:\n  check_ns_per_byte: {r:.4}\n  check_us: {:.1}\n",
+                self.checks.len(),
+                self.check_us,
+            );
+        }
         if let Some(w) = &self.wake_from {
             y += &format!(
                 "  # an engine's 4 KiB write to a peer process: {:.1} us back to back, {:.1} us after {} ms idle\n  wake_us: {:.1}\n",

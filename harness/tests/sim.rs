@@ -394,6 +394,105 @@ fn the_kv_check_is_charged_at_its_own_rate_where_measured() {
     assert!(e.contains("cpu.kv_check_ns_per_byte: -1"), "{e}");
 }
 
+/// A whole inbound tensor's check is charged at `check_ns_per_byte` where measured (the
+/// stubs' check, byte compare included, for tensors up to 4 MiB), plus `check_us` per tensor
+/// checked; unset, as 2 x (generate + digest). Bad values are refused by name.
+#[test]
+fn a_whole_tensor_check_is_charged_at_its_measured_cost() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (fabric, cpu) =
+        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    let cpu = cpu.unwrap();
+    let bulk = 2.0 * (cpu.generate_ns_per_byte + cpu.digest_ns_per_byte);
+    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
+    s.fabric = Some(fabric);
+    // talker -> code2wav: one tensor of 6400 B; thinker -> talker: five, 0.98 MB in all
+    let verify = |check: Option<f64>, check_us: f64| {
+        let mut s = s.clone();
+        s.cpu = Some(omnirig_harness::host::CpuSpec {
+            check_ns_per_byte: check,
+            check_us,
+            ..cpu.clone()
+        });
+        let r = sim::run(&s, Some(5)).unwrap();
+        assert!(r.report.passed(), "{}", r.report.summary_text());
+        let v = |hop: &str| {
+            let h = r.report.hops.iter().find(|h| h.hop == hop).unwrap();
+            (h.phases_ms_p50.verify, h.moved_bytes)
+        };
+        (v("thinker_to_talker"), v("talker_to_code2wav"))
+    };
+    let ((unset, t2t_bytes), _) = verify(None, 0.0);
+    let ((same, _), _) = verify(Some(bulk), 0.0);
+    let ((triple, _), _) = verify(Some(3.0 * bulk), 0.0);
+    assert!(
+        (same / unset - 1.0).abs() < 0.02,
+        "{unset} ms unset, {same} ms at the bulk rate"
+    );
+    assert!(
+        (triple / unset - 3.0).abs() < 0.15,
+        "{unset} ms at the bulk rate, {triple} ms at three times it"
+    );
+    // the fixed cost: 1 ms per tensor, five tensors checked one after another on one hop,
+    // one on the other
+    let ((t2t, _), (t2c, _)) = verify(Some(bulk), 1000.0);
+    let ((_, _), (t2c_free, _)) = verify(Some(bulk), 0.0);
+    assert!(
+        (t2t - same - 5.0).abs() < 0.05,
+        "{same} ms, {t2t} ms with 1 ms a tensor ({t2t_bytes} B)"
+    );
+    assert!(
+        (t2c - t2c_free - 1.0).abs() < 0.02,
+        "{t2c_free} ms, {t2c} ms with 1 ms a tensor"
+    );
+    let text = std::fs::read_to_string(root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    for (line, named) in [
+        ("  check_ns_per_byte: 0", "cpu.check_ns_per_byte: 0"),
+        ("  check_us: -3", "cpu.check_us: -3"),
+    ] {
+        let bad = text.replace("  wake_us:", &format!("{line}\n  wake_us:"));
+        let e = sim::fabric_file_from_str(&bad, "bad")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(named), "{e}");
+    }
+}
+
+/// The check's calibration times the stubs' real check on every golden case's byte-compared
+/// inputs (the bytes the upstream stub produces, so each check passes), none of KV.
+#[test]
+fn the_check_calibration_times_every_byte_compared_input() {
+    let samples =
+        omnirig_harness::host::measure_checks(1, std::time::Duration::from_micros(100)).unwrap();
+    let hops: std::collections::BTreeSet<&str> = samples
+        .iter()
+        .map(|c| c.tensor.split('/').nth(1).unwrap())
+        .collect();
+    assert_eq!(
+        hops.into_iter().collect::<Vec<_>>(),
+        [
+            "encoder_embeddings",
+            "talker_to_code2wav",
+            "thinker_to_talker"
+        ]
+    );
+    for c in &samples {
+        assert!(
+            c.bytes > 0 && c.bytes <= omnirig_model_stubs::BYTE_COMPARE_MAX,
+            "{c:?}"
+        );
+        assert!(
+            c.hot_us > 0.0 && c.cold_us > 0.0 && c.gap_us == 100,
+            "{c:?}"
+        );
+    }
+    assert!(
+        samples
+            .iter()
+            .any(|c| c.tensor == "text_short/talker_to_code2wav/codes.audio")
+    );
+}
+
 /// `simulate --calibrate-cpu`'s section, pasted into a fabric, parses back (and costs
 /// something on this machine).
 #[test]
@@ -454,6 +553,31 @@ fn the_calibration_parses_back_as_a_fabric() {
         section.contains("the KV check (16 KiB blocks)"),
         "{section}"
     );
+    // The check's fit: its rate from the large tensors back to back, its fixed cost from the
+    // small ones after the pause less their bytes at that rate; only measured ones charge.
+    assert_eq!(cpu.check_ns_per_byte, None, "{section}");
+    let sample = |bytes: u64, hot_us: f64, cold_us: f64| omnirig_harness::host::CheckSample {
+        tensor: format!("t{bytes}"),
+        bytes,
+        hot_us,
+        cold_us,
+        gap_us: 10_000,
+    };
+    let checked = c.clone().with_checks(vec![
+        sample(2048, 6.0, 14.0),
+        sample(3200, 5.0, 16.4),
+        sample(6400, 9.0, 30.8),
+        sample(100_000, 300.0, 330.0),
+        sample(200_000, 500.0, 520.0),
+        sample(400_000, 1400.0, 1500.0),
+    ]);
+    let section = checked.cpu_yaml(&nodes);
+    let (_, cpu) = sim::fabric_file_from_str(&format!("{text}\n{section}"), "checked")
+        .unwrap_or_else(|e| panic!("{e}\n{section}"));
+    let cpu = cpu.unwrap();
+    // rates 3.0, 2.5 and 3.5 ns/B: 3.0; beyond their bytes 7.856, 6.8 and 11.6 us: 7.856
+    assert_eq!(cpu.check_ns_per_byte, Some(3.0), "{section}");
+    assert_eq!(format!("{:.1}", cpu.check_us), "7.9", "{section}");
     // Two parked processes per cold round trip: each wake is half the difference.
     assert_eq!(cpu.wake_us, 120.0, "{section}");
     // One point per pause, in order of the pause; the 30 ms point, below the 10 ms one, is

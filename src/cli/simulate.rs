@@ -62,7 +62,11 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
     let c = omnirig_harness::host::calibrate(args.calibrate_mib << 20, 2000)
         .context("calibrating the host model")?
         .with_wake(wake)
-        .with_wake_after(after);
+        .with_wake_after(after)
+        .with_checks(
+            omnirig_harness::host::measure_checks(CHECK_REPEATS, WAKE_GAP)
+                .context("timing the stubs' whole-tensor check")?,
+        );
     let yaml = c.cpu_yaml(&nodes);
     print!("{yaml}");
     if let Some(dir) = &args.out {
@@ -82,6 +86,8 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
 /// measured smaller wakes (1 ms: about 40%).
 const WAKE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 const WAKE_REPEATS: usize = 3;
+/// Checks of each tensor, back to back and after a pause, for the check's cost (about 3 s).
+const CHECK_REPEATS: usize = 7;
 /// The pauses of the wake by time parked (`wake_after`): a stage's engine thread waiting
 /// for an acknowledgement parks for a fraction of a millisecond, a stage idle between
 /// requests for tens to hundreds; the wake grows with the pause (docs/sim.md).
