@@ -14,7 +14,7 @@
 #   ci/sim-validate-tcp.sh [OUT]   OUT (default $TMPDIR/omnirig-sim-tcp) gets link.json,
 #                                  cal/cpu.yaml, cal/cpu-calibration.json, m-cC-I/report.json,
 #                                  load.txt (the load average around each step) and predicted/
-#                                  (fabrics T, W, E, C, K and L from these figures, each scored
+#                                  (fabrics T, W, E, C, K, L and P from these figures, each scored
 #                                  against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default), OMNIRIG=PATH: a release binary built
 #   elsewhere (a machine without a Rust toolchain); without it the script builds one
@@ -59,7 +59,7 @@ for c in $conc; do
   done
 done
 
-# The model, from this window's figures alone: six fabrics, five stage processes as five
+# The model, from this window's figures alone: seven fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
 # round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
 # the wake, the check and the loopback's capacity:
@@ -75,11 +75,13 @@ done
 #   L: as K, the loopback's capacity (the NICs and the switch) times max(1, cores / 4). The
 #      16 MiB write rate is one transfer on 4 streams, whose threads take about 4 cores; on
 #      loopback the wire is those cores, so a machine of more cores runs that many such
-#      transfers side by side at the full rate (on 2 or 4 cores, L is K).
+#      transfers side by side at the full rate (on 2 or 4 cores, L is K);
+#   P: as L, each write of a transfer beyond its first at its measured cost (`write_us`:
+#      an engine's 32 writes of 4 KiB in one transfer against one write).
 python3 - "$out" "$(nproc)" << 'PY'
 import json, os, re, sys
 sys.path.insert(0, "ci")
-from sim_fabric import check, cpu_section, wake_after
+from sim_fabric import check, cpu_section, per_write, wake_after
 out, cores = sys.argv[1], int(sys.argv[2])
 rows = json.load(open(f"{out}/link.json"))["rows"]
 fig = lambda op, size: next(r["omnirig"] for r in rows if r["op"] == op and r["size"] == size)
@@ -90,19 +92,20 @@ one_way = rtt / 2
 switch = max(one_way - 4, 0)  # 2 us in each process's socket, the rest in the loopback
 copy = float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
 variants = {
-    "T": (copy, False, False, 1, f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
-    "W": (copy, True, False, 1, f"as T, the wake by time parked (wake_after)"),
-    "E": (1 / gbs, False, False, 1, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
-    "C": (copy, False, True, 1, f"as T, a whole tensor's check at the stubs' measured check"),
-    "K": (copy, True, True, 1, f"as W, with the measured check"),
-    "L": (copy, True, True, max(1, cores // 4),
+    "T": (copy, False, False, 1, False, f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
+    "W": (copy, True, False, 1, False, f"as T, the wake by time parked (wake_after)"),
+    "E": (1 / gbs, False, False, 1, False, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "C": (copy, False, True, 1, False, f"as T, a whole tensor's check at the stubs' measured check"),
+    "K": (copy, True, True, 1, False, f"as W, with the measured check"),
+    "L": (copy, True, True, max(1, cores // 4), False,
           f"as K, the loopback's capacity times max(1, cores / 4) = {max(1, cores // 4)}"),
+    "P": (copy, True, True, max(1, cores // 4), True, f"as L, each write beyond a transfer's first at its measured cost"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
-for name, (copy, curve, checked, scale, why) in variants.items():
+for name, (copy, curve, checked, scale, writes, why) in variants.items():
     link = f"{gbs * 8 * scale:.3f}"
-    if (curve and not wake_after(cpu)) or (checked and not check(cpu)):
+    if (curve and not wake_after(cpu)) or (checked and not check(cpu)) or (writes and not per_write(cpu)):
         continue
     nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {link}, latency_us: 2 }}], "
                     f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
@@ -118,12 +121,12 @@ nodes:
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 """ + cpu_section(cpu, f"{copy:.4f}",
                   f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve,
-                  checked)
+                  checked, writes)
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E C K L; do
+  for f in T W E C K L P; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \

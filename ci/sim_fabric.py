@@ -16,17 +16,24 @@ def check(cal):
     return m.group(0) if m else ""
 
 
-def cpu_section(cal, copy, hosts, curve=False, checked=False):
+def per_write(cal):
+    """The calibration's cost of each write beyond a transfer's first, its line as written;
+    "" where it has none (a calibration made before it was measured)."""
+    m = re.search(r"^  write_us: .*\n", cal, re.M)
+    return m.group(0) if m else ""
+
+
+def cpu_section(cal, copy, hosts, curve=False, checked=False, writes=False):
     """The section from calibration text `cal`, with the copy cost `copy` (ns/B, formatted),
-    the `hosts` lines (each ending in a newline), the wake by time parked when `curve`, and
-    the measured whole-tensor check when `checked`."""
+    the `hosts` lines (each ending in a newline), the wake by time parked when `curve`, the
+    measured whole-tensor check when `checked`, and each write's own cost when `writes`."""
     val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cal, re.M).group(1)
     return f"""cpu:
   generate_ns_per_byte: {val("generate_ns_per_byte")}
   digest_ns_per_byte: {val("digest_ns_per_byte")}
   copy_ns_per_byte: {copy}
   message_us: {val("message_us")}
-  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
+{per_write(cal) if writes else ""}  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
 {check(cal) if checked else ""}  wake_us: {val("wake_us")}
 {wake_after(cal) if curve else ""}  hosts:
 {hosts}"""

@@ -26,6 +26,7 @@ use tokio::time::{Duration, Instant};
 ///   digest_ns_per_byte: 0.12    # XXH3-128 over bytes (verification, staging)
 ///   copy_ns_per_byte: 0.35      # a transport copying a byte, on each side (tcp send / recv)
 ///   message_us: 12              # per control message, on each side (encode, syscall, wake-up)
+///   write_us: 25                # per write of a transfer beyond its first, on each side
 ///   wake_us: 130                # a parked stage process resuming for traffic (latency, no work)
 ///   wake_after:                 # optional: the wake by how long the process was parked
 ///     - { idle_us: 1000, wake_us: 20 }
@@ -49,6 +50,13 @@ pub struct CpuSpec {
     pub copy_ns_per_byte: f64,
     #[serde(default)]
     pub message_us: f64,
+    /// What each write request of a transfer beyond its first costs, on each side, in the
+    /// same job as the transfer's copy (so a transfer's writes are handled one after
+    /// another): its frame, its syscalls, its acknowledgement. `--calibrate-cpu` measures it
+    /// from a batch of 4 KiB engine writes against one; the KV hop moves 96 to 384 writes per
+    /// request, where it comes to milliseconds (docs/sim.md).
+    #[serde(default)]
+    pub write_us: f64,
     /// The decode stage's KV check (blocks that arrived digested in its pool, expected blocks
     /// generated and digested), per byte, as `--calibrate-cpu` measures it in a pool; unset,
     /// it is charged as generate + 2 x digest. Under TCG it costs 1.7x that (docs/sim.md).
@@ -109,6 +117,7 @@ impl Default for CpuSpec {
             digest_ns_per_byte: 0.0,
             copy_ns_per_byte: 0.0,
             message_us: 0.0,
+            write_us: 0.0,
             kv_check_ns_per_byte: None,
             check_ns_per_byte: None,
             check_us: 0.0,
@@ -142,6 +151,7 @@ impl CpuSpec {
             ("digest_ns_per_byte", self.digest_ns_per_byte, 1e6),
             ("copy_ns_per_byte", self.copy_ns_per_byte, 1e6),
             ("message_us", self.message_us, 1e7),
+            ("write_us", self.write_us, 1e7),
             ("check_us", self.check_us, 1e7),
             ("wake_us", self.wake_us, 1e7),
             ("park_us", self.park_us, 1e7),
@@ -230,6 +240,7 @@ impl CpuSpec {
             && self.digest_ns_per_byte == 0.0
             && self.copy_ns_per_byte == 0.0
             && self.message_us == 0.0
+            && self.write_us == 0.0
             && self.check_us == 0.0
             && self.wake_us == 0.0
             && self.wake_after.iter().all(|p| p.wake_us == 0.0)
@@ -580,10 +591,12 @@ impl StageCpu {
         }
     }
 
-    /// A transfer's copies: `bytes` on this host (send) and on the peer's (receive), both
-    /// running beside the transfer itself.
-    pub async fn copy(&self, bytes: u64) {
-        let w = self.cpu.work(bytes, self.cpu.spec().copy_ns_per_byte);
+    /// A transfer's copies: `bytes` in `writes` write requests on this host (send) and on
+    /// the peer's (receive), both running beside the transfer itself.
+    pub async fn copy(&self, bytes: u64, writes: usize) {
+        let s = self.cpu.spec();
+        let extra = writes.saturating_sub(1) as f64;
+        let w = self.cpu.work(bytes, s.copy_ns_per_byte) + self.cpu.us(extra * s.write_us);
         match &self.peer {
             Some(p) => {
                 tokio::join!(self.host.run(w), p.run(w));
@@ -592,17 +605,22 @@ impl StageCpu {
         }
     }
 
-    /// A transfer `t` of `bytes` to the peer: the owner's process wakes for it if parked,
-    /// the copies run beside it ([`copy`](Self::copy)), and this process, which waited,
-    /// wakes for its completion if the wait outlasted its busy-poll.
-    pub async fn transfer<F: std::future::Future>(&self, bytes: u64, t: F) -> F::Output {
+    /// A transfer `t` of `bytes` in `writes` requests to the peer: the owner's process wakes
+    /// for it if parked, the copies run beside it ([`copy`](Self::copy)), and this process,
+    /// which waited, wakes for its completion if the wait outlasted its busy-poll.
+    pub async fn transfer<F: std::future::Future>(
+        &self,
+        bytes: u64,
+        writes: usize,
+        t: F,
+    ) -> F::Output {
         let me = engine_thread(&self.process);
         let owner = self.peer_process.as_deref().map(engine_thread);
         self.cpu.touch(&me);
         if let Some(p) = &owner {
             self.cpu.wake(p).await;
         }
-        let r = tokio::join!(t, self.copy(bytes)).0;
+        let r = tokio::join!(t, self.copy(bytes, writes)).0;
         if let Some(p) = &owner {
             self.cpu.touch(p);
         }
@@ -636,6 +654,11 @@ pub struct Calibration {
     pub kv_verify_pool_ns_per_byte: f64,
     pub kv_block_bytes: u64,
     pub message_us: f64,
+    /// A write's own cost in a batch ([`CpuSpec::write_us`]), fitted by
+    /// [`Calibration::with_writes`] from `writes_from`; 0 until measured.
+    pub write_us: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub writes_from: Option<BatchSample>,
     /// Control round trip over TCP on 127.0.0.1, median, microseconds.
     pub round_trip_us: f64,
     /// A parked process's wake-up (see [`CpuSpec::wake_us`]); 0 until measured
@@ -839,6 +862,8 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         check_ns_per_byte: None,
         check_us: 0.0,
         checks: Vec::new(),
+        write_us: 0.0,
+        writes_from: None,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         bytes,
         round_trips: round_trips.max(1),
@@ -1014,7 +1039,32 @@ pub struct WakeSample {
     pub repeats: usize,
 }
 
+/// An engine's transfer of `batch` writes of `size` bytes to a peer process against one
+/// write of the same size, back to back (the per-write cost's measurement).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BatchSample {
+    pub size: u64,
+    pub batch: usize,
+    /// One write, p50 us (median of the repeats).
+    pub single_us: f64,
+    /// The batch, p50 us (median of the repeats).
+    pub batch_us: f64,
+    pub repeats: usize,
+}
+
 impl Calibration {
+    /// Sets a write's own cost from a batch against one write: each write beyond the first
+    /// adds (batch - single) / (batch size - 1).
+    pub fn with_writes(mut self, b: BatchSample) -> Self {
+        self.write_us = if b.batch > 1 {
+            ((b.batch_us - b.single_us) / (b.batch - 1) as f64).max(0.0)
+        } else {
+            0.0
+        };
+        self.writes_from = Some(b);
+        self
+    }
+
     /// Sets the wake from a hot and a cold round trip: a cold one wakes two parked processes
     /// (the owner for the write, the initiator for its acknowledgement), so each wake is
     /// half the difference.
@@ -1108,6 +1158,16 @@ impl Calibration {
                  \x20 # and beyond its bytes after {pause} ms idle:\n  check_ns_per_byte: {r:.4}\n  check_us: {:.1}\n",
                 self.checks.len(),
                 self.check_us,
+            );
+        }
+        if let Some(b) = &self.writes_from {
+            y += &format!(
+                "  # an engine's {} writes of {} KiB in one transfer: {:.1} us, one: {:.1} us\n  write_us: {:.2}\n",
+                b.batch,
+                b.size >> 10,
+                b.batch_us,
+                b.single_us,
+                self.write_us,
             );
         }
         if let Some(w) = &self.wake_from {

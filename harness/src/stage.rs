@@ -698,9 +698,10 @@ impl StageWorker {
         requests: Vec<Request>,
     ) -> omnirig_transports::Result<()> {
         let bytes = requests.iter().map(|r| r.len).sum();
+        let writes = requests.len();
         let t = engine.transfer(requests, Some(self.timeout()));
         match &self.host {
-            Some(h) => h.transfer(bytes, t).await,
+            Some(h) => h.transfer(bytes, writes, t).await,
             None => t.await,
         }
     }

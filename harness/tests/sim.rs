@@ -458,6 +458,58 @@ fn a_whole_tensor_check_is_charged_at_its_measured_cost() {
     }
 }
 
+/// A transfer of many writes pays each write's own cost on top of its bytes (`write_us`), in
+/// the job that copies them: the KV hop's 96 writes, thinker -> talker's five, and nothing
+/// for talker -> code2wav's one.
+#[test]
+fn a_transfer_pays_for_each_write_beyond_its_first() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (fabric, cpu) =
+        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    let cpu = cpu.unwrap();
+    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
+    s.fabric = Some(fabric);
+    let run = |write_us: f64| {
+        let mut s = s.clone();
+        s.cpu = Some(omnirig_harness::host::CpuSpec {
+            write_us,
+            ..cpu.clone()
+        });
+        let r = sim::run(&s, Some(5)).unwrap();
+        assert!(r.report.passed(), "{}", r.report.summary_text());
+        r.report.requests[0]
+            .hops
+            .iter()
+            .map(|h| (h.hop.clone(), (h.requests, h.transfer_ms)))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (free, paid) = (run(0.0), run(1000.0));
+    let writes = |hop: &str| free[hop].0;
+    assert_eq!(
+        (
+            writes("kv_cache"),
+            writes("thinker_to_talker"),
+            writes("talker_to_code2wav")
+        ),
+        (96, 5, 1)
+    );
+    for (hop, (n, ms)) in &free {
+        let extra = paid[hop].1 - ms;
+        let want = (*n as f64 - 1.0) * 1.0;
+        assert!(
+            (extra - want).abs() <= 0.02 * want.max(1.0),
+            "{hop}: {n} writes, {ms} ms without the per-write cost, {} ms with 1 ms a write",
+            paid[hop].1
+        );
+    }
+    let text = std::fs::read_to_string(root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    let bad = text.replace("  wake_us:", "  write_us: -1\n  wake_us:");
+    let e = sim::fabric_file_from_str(&bad, "bad")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cpu.write_us: -1"), "{e}");
+}
+
 /// The check's calibration times the stubs' real check on every golden case's byte-compared
 /// inputs (the bytes the upstream stub produces, so each check passes), none of KV.
 #[test]
@@ -563,14 +615,26 @@ fn the_calibration_parses_back_as_a_fabric() {
         cold_us,
         gap_us: 10_000,
     };
-    let checked = c.clone().with_checks(vec![
-        sample(2048, 6.0, 14.0),
-        sample(3200, 5.0, 16.4),
-        sample(6400, 9.0, 30.8),
-        sample(100_000, 300.0, 330.0),
-        sample(200_000, 500.0, 520.0),
-        sample(400_000, 1400.0, 1500.0),
-    ]);
+    assert_eq!(cpu.write_us, 0.0, "{section}");
+    // A write's own cost: a batch of 32 in 800 us against 25 us for one: 25 us each beyond
+    // the first.
+    let checked = c
+        .clone()
+        .with_writes(omnirig_harness::host::BatchSample {
+            size: 4096,
+            batch: 32,
+            single_us: 25.0,
+            batch_us: 800.0,
+            repeats: 3,
+        })
+        .with_checks(vec![
+            sample(2048, 6.0, 14.0),
+            sample(3200, 5.0, 16.4),
+            sample(6400, 9.0, 30.8),
+            sample(100_000, 300.0, 330.0),
+            sample(200_000, 500.0, 520.0),
+            sample(400_000, 1400.0, 1500.0),
+        ]);
     let section = checked.cpu_yaml(&nodes);
     let (_, cpu) = sim::fabric_file_from_str(&format!("{text}\n{section}"), "checked")
         .unwrap_or_else(|e| panic!("{e}\n{section}"));
@@ -578,6 +642,11 @@ fn the_calibration_parses_back_as_a_fabric() {
     // rates 3.0, 2.5 and 3.5 ns/B: 3.0; beyond their bytes 7.856, 6.8 and 11.6 us: 7.856
     assert_eq!(cpu.check_ns_per_byte, Some(3.0), "{section}");
     assert_eq!(format!("{:.1}", cpu.check_us), "7.9", "{section}");
+    assert_eq!(cpu.write_us, 25.0, "{section}");
+    assert!(
+        section.contains("32 writes of 4 KiB in one transfer: 800.0 us, one: 25.0 us"),
+        "{section}"
+    );
     // Two parked processes per cold round trip: each wake is half the difference.
     assert_eq!(cpu.wake_us, 120.0, "{section}");
     // One point per pause, in order of the pause; the 30 ms point, below the 10 ms one, is

@@ -43,6 +43,8 @@ pub struct Options {
     /// Pause before each timed transfer (and each raw round trip), so a peer that parks
     /// between requests, as a pipeline stage does, is measured cold. Zero: back to back.
     pub gap: Duration,
+    /// tcp: requests per timed transfer, at consecutive offsets (1: one request).
+    pub batch: usize,
     /// rdma: the far node's `omnirig bench peer --mode rdma-engine` (None: both engines here).
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub peer: Option<std::net::SocketAddr>,
@@ -123,21 +125,24 @@ pub fn run(o: &Options) -> anyhow::Result<Results> {
     })
 }
 
-/// Times `iters` transfers of one request (after a short warm-up).
+/// The most requests `--batch` puts in one transfer.
+pub const MAX_BATCH: usize = 1024;
+
+/// Times `iters` transfers of the requests `reqs` together (after a short warm-up).
 async fn time_engine(
     engine: &Engine,
-    req: Request,
+    reqs: Vec<Request>,
     iters: usize,
     gap: Duration,
 ) -> anyhow::Result<Samples> {
-    let mut s = Samples::new(req.len);
+    let mut s = Samples::new(reqs.iter().map(|r| r.len).sum());
     for _ in 0..iters.min(3) {
-        engine.transfer(vec![req.clone()], OP_TIMEOUT).await?;
+        engine.transfer(reqs.clone(), OP_TIMEOUT).await?;
     }
     for _ in 0..iters {
         pause(gap);
         let t = Instant::now();
-        engine.transfer(vec![req.clone()], OP_TIMEOUT).await?;
+        engine.transfer(reqs.clone(), OP_TIMEOUT).await?;
         s.push(t.elapsed());
     }
     Ok(s)
@@ -623,7 +628,10 @@ fn time_raw(
 
 async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     progress("starting peer processes (engine and raw socket)");
-    let engine_peer = PeerProcess::spawn(PeerMode::Engine, max, &o.tcp)?;
+    let batch = o.batch.max(1) as u64;
+    // a batch's requests land side by side, each at its own offset
+    let room = max * batch;
+    let engine_peer = PeerProcess::spawn(PeerMode::Engine, room, &o.tcp)?;
     let raw_peer = PeerProcess::spawn(PeerMode::Raw, max, &o.tcp)?;
     let a = Engine::new(
         EngineConfig::for_kind(format!("bench-{}", std::process::id()), TransportKind::Tcp)
@@ -637,9 +645,9 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         info.transport, info.device
     ));
     let (wg, rg) = engine_peer.hello.grants()?;
-    let src = a.allocate(max)?;
-    src.fill(0, max, |x| x.fill(0x5a))?;
-    let landing = a.allocate(max)?;
+    let src = a.allocate(room)?;
+    src.fill(0, room, |x| x.fill(0x5a))?;
+    let landing = a.allocate(room)?;
     let mut raw = TcpStream::connect(raw_peer.hello.addr)?;
     raw.set_nodelay(true)?;
     raw.set_nonblocking(true)?;
@@ -656,7 +664,11 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
             o.tcp.busy_poll,
             o.gap,
         )?;
-        let w = time_engine(&a, Request::write(&src, 0, &wg, 0, size), iters, o.gap).await?;
+        let offsets = || (0..batch).map(|i| i * size);
+        let writes = offsets()
+            .map(|o| Request::write(&src, o, &wg, o, size))
+            .collect();
+        let w = time_engine(&a, writes, iters, o.gap).await?;
         rows.push(Row::new("write", size, &w, name, &bw));
         let (name, br) = best_raw(
             &mut raw,
@@ -666,7 +678,10 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
             o.tcp.busy_poll,
             o.gap,
         )?;
-        let r = time_engine(&a, Request::read(&landing, 0, &rg, 0, size), iters, o.gap).await?;
+        let reads = offsets()
+            .map(|o| Request::read(&landing, o, &rg, o, size))
+            .collect();
+        let r = time_engine(&a, reads, iters, o.gap).await?;
         rows.push(Row::new("read", size, &r, name, &br));
     }
     check_peer_pattern(&landing, o, TransportKind::Tcp)?;

@@ -192,6 +192,12 @@ pub struct TransferArgs {
     /// models). 0: back to back.
     #[arg(long, default_value_t = 0)]
     gap_us: u64,
+    /// tcp: requests per timed transfer, each of the size, at consecutive offsets (a batch,
+    /// as a stage's KV handoff moves its 96 tensors): the row's time is the whole batch's,
+    /// what `simulate --calibrate-cpu` reads a write's own cost from (the raw-socket
+    /// column stays one write of the size). 1: one request.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// rdma across two nodes: the far node's `omnirig bench peer --mode rdma-engine --listen
     /// ADDR` (ADDR as this node reaches it). The engine here writes into and reads from that
     /// peer's engine, and perftest runs across the same link (its servers started by the
@@ -284,10 +290,19 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     _ => transfer::Runtime::Current,
                 }),
                 gap: std::time::Duration::from_micros(a.gap_us),
+                batch: a.batch,
                 peer: a.peer,
                 peer_wait: std::time::Duration::from_secs(a.peer_wait_s),
                 rdma: a.rdma.clone(),
             };
+            if !(1..=transfer::MAX_BATCH).contains(&a.batch) {
+                anyhow::bail!("--batch {}: not in 1..={}", a.batch, transfer::MAX_BATCH);
+            }
+            if a.batch > 1 && a.transport != TransportKind::Tcp {
+                anyhow::bail!(
+                    "--batch is for --transport tcp (rdma's rows time batches of their own)"
+                );
+            }
             if a.peer.is_some() && a.transport != TransportKind::Rdma {
                 anyhow::bail!(
                     "--peer is for --transport rdma across two nodes (tcp and shm start their \

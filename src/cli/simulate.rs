@@ -41,7 +41,8 @@ pub struct SimulateArgs {
     /// measured runs can run exactly the same requests.
     #[arg(long)]
     scenarios_out: Option<PathBuf>,
-    /// Measure this machine's CPU costs (generate, digest, tcp copy, control round trip)
+    /// Measure this machine's CPU costs (generate, digest, tcp copy, control round trip, a
+    /// write's own cost in a batch, the stubs' whole-tensor check, a parked process's wake)
     /// and print them as a fabric's `cpu:` section, every node of `--fabric` (or of the
     /// default fabric) on one host with this machine's cores; with `--out`, also write
     /// `cpu.yaml` and `cpu-calibration.json` there. Simulates nothing.
@@ -58,11 +59,13 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
         None => omnirig_transports::FabricSpec::default(),
     };
     let nodes: Vec<&str> = fabric.nodes.iter().map(|n| n.name.as_str()).collect();
-    let (wake, after) = measure_wake().context("measuring a parked process's wake-up")?;
+    let (wake, after, writes) =
+        measure_wake().context("measuring a parked process's wake-up and a write's cost")?;
     let c = omnirig_harness::host::calibrate(args.calibrate_mib << 20, 2000)
         .context("calibrating the host model")?
         .with_wake(wake)
         .with_wake_after(after)
+        .with_writes(writes)
         .with_checks(
             omnirig_harness::host::measure_checks(CHECK_REPEATS, WAKE_GAP)
                 .context("timing the stubs' whole-tensor check")?,
@@ -86,6 +89,9 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
 /// measured smaller wakes (1 ms: about 40%).
 const WAKE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 const WAKE_REPEATS: usize = 3;
+/// Writes in the batch a write's own cost is read from (`write_us`): enough that the batch
+/// is mostly per-write work, few enough to stay well under a KV handoff's 96.
+const WRITE_BATCH: usize = 32;
 /// Checks of each tensor, back to back and after a pause, for the check's cost (about 3 s).
 const CHECK_REPEATS: usize = 7;
 /// The pauses of the wake by time parked (`wake_after`): a stage's engine thread waiting
@@ -98,15 +104,17 @@ const WAKE_AFTER_GAPS: [std::time::Duration; 3] = [
 ];
 
 /// An engine's 4 KiB write to a peer process (`bench transfer`'s tcp suite, on the
-/// multi-thread runtime `omnirig run` uses), back to back and after each pause of
-/// [`WAKE_AFTER_GAPS`], [`WAKE_REPEATS`] times, in turn; the medians of the p50s. Returns
-/// the sample after [`WAKE_GAP`] (`wake_us`) and one per pause (`wake_after`).
+/// multi-thread runtime `omnirig run` uses), back to back, after each pause of
+/// [`WAKE_AFTER_GAPS`], and as a batch of [`WRITE_BATCH`] back to back, [`WAKE_REPEATS`]
+/// times, in turn; the medians of the p50s. Returns the sample after [`WAKE_GAP`]
+/// (`wake_us`), one per pause (`wake_after`) and the batch against one write (`write_us`).
 fn measure_wake() -> anyhow::Result<(
     omnirig_harness::host::WakeSample,
     Vec<omnirig_harness::host::WakeSample>,
+    omnirig_harness::host::BatchSample,
 )> {
     use crate::bench::transfer;
-    let p50 = |gap: std::time::Duration| -> anyhow::Result<f64> {
+    let p50 = |gap: std::time::Duration, batch: usize| -> anyhow::Result<f64> {
         // 200 writes; 30 after the 100 ms pause (3 s a run)
         let iters = if gap >= std::time::Duration::from_millis(100) {
             30
@@ -126,6 +134,7 @@ fn measure_wake() -> anyhow::Result<(
             max_outstanding: None,
             runtime: transfer::Runtime::Multi,
             gap,
+            batch,
             peer: None,
             peer_wait: std::time::Duration::ZERO,
             rdma: Default::default(),
@@ -139,14 +148,23 @@ fn measure_wake() -> anyhow::Result<(
         Ok(w.omnirig.p50_us)
     };
     let mut hot = Vec::new();
+    let mut batched = Vec::new();
     let mut cold = vec![Vec::new(); WAKE_AFTER_GAPS.len()];
     for _ in 0..WAKE_REPEATS {
-        hot.push(p50(std::time::Duration::ZERO)?);
+        hot.push(p50(std::time::Duration::ZERO, 1)?);
+        batched.push(p50(std::time::Duration::ZERO, WRITE_BATCH)?);
         for (c, gap) in cold.iter_mut().zip(WAKE_AFTER_GAPS) {
-            c.push(p50(gap)?);
+            c.push(p50(gap, 1)?);
         }
     }
     let hot_us = median(&mut hot);
+    let writes = omnirig_harness::host::BatchSample {
+        size: 4096,
+        batch: WRITE_BATCH,
+        single_us: hot_us,
+        batch_us: median(&mut batched),
+        repeats: WAKE_REPEATS,
+    };
     let after: Vec<_> = cold
         .iter_mut()
         .zip(WAKE_AFTER_GAPS)
@@ -162,7 +180,7 @@ fn measure_wake() -> anyhow::Result<(
         .find(|w| w.gap_us == WAKE_GAP.as_micros() as u64)
         .cloned()
         .context("WAKE_AFTER_GAPS holds WAKE_GAP")?;
-    Ok((at_gap, after))
+    Ok((at_gap, after, writes))
 }
 
 #[derive(Debug, Clone, Serialize)]
