@@ -269,6 +269,23 @@ fn sizes_beyond_the_machine_are_refused_up_front() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `bench transfer --batch`: out of range, or on a transport it does not apply to, is refused
+/// naming the flag, before any peer starts.
+#[test]
+fn a_bad_batch_is_refused_naming_it() {
+    let bench = |extra: &[&str]| {
+        let mut args = vec!["bench", "transfer", "--sizes", "4K"];
+        args.extend_from_slice(extra);
+        omnirig(&args, &[])
+    };
+    refused(&bench(&["--batch", "0"]), &["--batch 0", "1..=1024"]);
+    refused(&bench(&["--batch", "1025"]), &["--batch 1025", "1..=1024"]);
+    refused(
+        &bench(&["--batch", "4", "--transport", "shm"]),
+        &["--batch is for --transport tcp"],
+    );
+}
+
 /// A stage process needs the run's secret from its orchestrator; without it, it says so.
 #[test]
 fn a_stage_without_the_run_secret_refuses_to_start() {

@@ -53,7 +53,7 @@ pub struct CpuSpec {
     /// What each write request of a transfer beyond its first costs, on each side, in the
     /// same job as the transfer's copy (so a transfer's writes are handled one after
     /// another): its frame, its syscalls, its acknowledgement. `--calibrate-cpu` measures it
-    /// from a batch of 4 KiB engine writes against one; the KV hop moves 96 to 384 writes per
+    /// from a batch of 4 KiB engine writes against one; the KV hop moves 96 to 672 writes per
     /// request, where it comes to milliseconds (docs/sim.md).
     #[serde(default)]
     pub write_us: f64,

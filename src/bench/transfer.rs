@@ -630,7 +630,9 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
     progress("starting peer processes (engine and raw socket)");
     let batch = o.batch.max(1) as u64;
     // a batch's requests land side by side, each at its own offset
-    let room = max * batch;
+    let room = max
+        .checked_mul(batch)
+        .context("--batch times the largest size overflows 64 bits")?;
     let engine_peer = PeerProcess::spawn(PeerMode::Engine, room, &o.tcp)?;
     let raw_peer = PeerProcess::spawn(PeerMode::Raw, max, &o.tcp)?;
     let a = Engine::new(
