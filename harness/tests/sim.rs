@@ -327,20 +327,16 @@ fn a_parked_process_wakes_late_and_a_hot_one_at_once() {
 /// the owner's for the write, the producer's for its acknowledgement.
 #[test]
 fn a_small_hop_between_parked_stages_pays_two_wakes() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let (fabric, cpu) =
-        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
-    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
-    s.fabric = Some(fabric);
+    let (s, cpu) = image_audio_on_localhost();
     let hop = |wake_us: f64| {
-        let mut s = s.clone();
-        s.cpu = cpu
-            .clone()
-            .map(|c| omnirig_harness::host::CpuSpec { wake_us, ..c });
-        let r = sim::run(&s, Some(5)).unwrap();
-        assert!(r.report.passed(), "{}", r.report.summary_text());
-        r.report
-            .hops
+        let r = passing_run(
+            &s,
+            omnirig_harness::host::CpuSpec {
+                wake_us,
+                ..cpu.clone()
+            },
+        );
+        r.hops
             .iter()
             .find(|h| h.hop == "talker_to_code2wav")
             .unwrap()
@@ -354,27 +350,56 @@ fn a_small_hop_between_parked_stages_pays_two_wakes() {
     );
 }
 
+/// The golden image_audio case on the committed tcp-localhost fabric, and its `cpu:` section.
+fn image_audio_on_localhost() -> (Scenario, omnirig_harness::host::CpuSpec) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (fabric, cpu) =
+        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
+    s.fabric = Some(fabric);
+    (s, cpu.expect("tcp-localhost.yaml has a cpu section"))
+}
+
+/// A simulated run of `s` under the host model `cpu` (seed 5), which must pass.
+fn passing_run(
+    s: &Scenario,
+    cpu: omnirig_harness::host::CpuSpec,
+) -> omnirig_harness::report::Report {
+    let mut s = s.clone();
+    s.cpu = Some(cpu);
+    let r = sim::run(&s, Some(5)).unwrap();
+    assert!(r.report.passed(), "{}", r.report.summary_text());
+    r.report
+}
+
+/// The committed tcp-localhost fabric with `line` added to its `cpu:` section is refused,
+/// the error naming `named`.
+fn refused_on_localhost(line: &str, named: &str) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("fabrics/tcp-localhost.yaml")).unwrap();
+    let bad = text.replace("  wake_us:", &format!("{line}\n  wake_us:"));
+    let e = sim::fabric_file_from_str(&bad, "bad")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(named), "{e}");
+}
+
 /// The KV hop's verification is charged at `kv_check_ns_per_byte` where the host model has
 /// one (the check as the decode stage runs it, in its pool), and as generate + 2 x digest
 /// where it has not; a bad value is refused by name.
 #[test]
 fn the_kv_check_is_charged_at_its_own_rate_where_measured() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let (fabric, cpu) =
-        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
-    let cpu = cpu.unwrap();
+    let (s, cpu) = image_audio_on_localhost();
     let bulk = cpu.generate_ns_per_byte + 2.0 * cpu.digest_ns_per_byte;
-    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
-    s.fabric = Some(fabric);
     let verify = |kv_check: Option<f64>| {
-        let mut s = s.clone();
-        s.cpu = Some(omnirig_harness::host::CpuSpec {
-            kv_check_ns_per_byte: kv_check,
-            ..cpu.clone()
-        });
-        let r = sim::run(&s, Some(5)).unwrap();
-        assert!(r.report.passed(), "{}", r.report.summary_text());
-        let kv = r.report.hops.iter().find(|h| h.hop == "kv_cache").unwrap();
+        let r = passing_run(
+            &s,
+            omnirig_harness::host::CpuSpec {
+                kv_check_ns_per_byte: kv_check,
+                ..cpu.clone()
+            },
+        );
+        let kv = r.hops.iter().find(|h| h.hop == "kv_cache").unwrap();
         kv.phases_ms_p50.verify
     };
     let (unset, same, triple) = (verify(None), verify(Some(bulk)), verify(Some(3.0 * bulk)));
@@ -386,12 +411,7 @@ fn the_kv_check_is_charged_at_its_own_rate_where_measured() {
         (triple / unset - 3.0).abs() < 0.15,
         "{unset} ms at the bulk rate, {triple} ms at three times it"
     );
-    let text = std::fs::read_to_string(root.join("fabrics/tcp-localhost.yaml")).unwrap();
-    let bad = text.replace("  wake_us:", "  kv_check_ns_per_byte: -1\n  wake_us:");
-    let e = sim::fabric_file_from_str(&bad, "bad")
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("cpu.kv_check_ns_per_byte: -1"), "{e}");
+    refused_on_localhost("  kv_check_ns_per_byte: -1", "cpu.kv_check_ns_per_byte: -1");
 }
 
 /// A whole inbound tensor's check is charged at `check_ns_per_byte` where measured (the
@@ -399,25 +419,20 @@ fn the_kv_check_is_charged_at_its_own_rate_where_measured() {
 /// checked; unset, as 2 x (generate + digest). Bad values are refused by name.
 #[test]
 fn a_whole_tensor_check_is_charged_at_its_measured_cost() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let (fabric, cpu) =
-        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
-    let cpu = cpu.unwrap();
+    let (s, cpu) = image_audio_on_localhost();
     let bulk = 2.0 * (cpu.generate_ns_per_byte + cpu.digest_ns_per_byte);
-    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
-    s.fabric = Some(fabric);
     // talker -> code2wav: one tensor of 6400 B; thinker -> talker: five, 0.98 MB in all
     let verify = |check: Option<f64>, check_us: f64| {
-        let mut s = s.clone();
-        s.cpu = Some(omnirig_harness::host::CpuSpec {
-            check_ns_per_byte: check,
-            check_us,
-            ..cpu.clone()
-        });
-        let r = sim::run(&s, Some(5)).unwrap();
-        assert!(r.report.passed(), "{}", r.report.summary_text());
+        let r = passing_run(
+            &s,
+            omnirig_harness::host::CpuSpec {
+                check_ns_per_byte: check,
+                check_us,
+                ..cpu.clone()
+            },
+        );
         let v = |hop: &str| {
-            let h = r.report.hops.iter().find(|h| h.hop == hop).unwrap();
+            let h = r.hops.iter().find(|h| h.hop == hop).unwrap();
             (h.phases_ms_p50.verify, h.moved_bytes)
         };
         (v("thinker_to_talker"), v("talker_to_code2wav"))
@@ -445,17 +460,8 @@ fn a_whole_tensor_check_is_charged_at_its_measured_cost() {
         (t2c - t2c_free - 1.0).abs() < 0.02,
         "{t2c_free} ms, {t2c} ms with 1 ms a tensor"
     );
-    let text = std::fs::read_to_string(root.join("fabrics/tcp-localhost.yaml")).unwrap();
-    for (line, named) in [
-        ("  check_ns_per_byte: 0", "cpu.check_ns_per_byte: 0"),
-        ("  check_us: -3", "cpu.check_us: -3"),
-    ] {
-        let bad = text.replace("  wake_us:", &format!("{line}\n  wake_us:"));
-        let e = sim::fabric_file_from_str(&bad, "bad")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains(named), "{e}");
-    }
+    refused_on_localhost("  check_ns_per_byte: 0", "cpu.check_ns_per_byte: 0");
+    refused_on_localhost("  check_us: -3", "cpu.check_us: -3");
 }
 
 /// A transfer of many writes pays each write's own cost on top of its bytes (`write_us`), in
@@ -463,21 +469,16 @@ fn a_whole_tensor_check_is_charged_at_its_measured_cost() {
 /// for talker -> code2wav's one.
 #[test]
 fn a_transfer_pays_for_each_write_beyond_its_first() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let (fabric, cpu) =
-        sim::fabric_file_from_path(&root.join("fabrics/tcp-localhost.yaml")).unwrap();
-    let cpu = cpu.unwrap();
-    let mut s = Scenario::golden("image_audio", TransportKind::Sim);
-    s.fabric = Some(fabric);
+    let (s, cpu) = image_audio_on_localhost();
     let run = |write_us: f64| {
-        let mut s = s.clone();
-        s.cpu = Some(omnirig_harness::host::CpuSpec {
-            write_us,
-            ..cpu.clone()
-        });
-        let r = sim::run(&s, Some(5)).unwrap();
-        assert!(r.report.passed(), "{}", r.report.summary_text());
-        r.report.requests[0]
+        let r = passing_run(
+            &s,
+            omnirig_harness::host::CpuSpec {
+                write_us,
+                ..cpu.clone()
+            },
+        );
+        r.requests[0]
             .hops
             .iter()
             .map(|h| (h.hop.clone(), (h.requests, h.transfer_ms)))
@@ -502,12 +503,7 @@ fn a_transfer_pays_for_each_write_beyond_its_first() {
             paid[hop].1
         );
     }
-    let text = std::fs::read_to_string(root.join("fabrics/tcp-localhost.yaml")).unwrap();
-    let bad = text.replace("  wake_us:", "  write_us: -1\n  wake_us:");
-    let e = sim::fabric_file_from_str(&bad, "bad")
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("cpu.write_us: -1"), "{e}");
+    refused_on_localhost("  write_us: -1", "cpu.write_us: -1");
 }
 
 /// The check's calibration times the stubs' real check on every golden case's byte-compared
