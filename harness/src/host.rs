@@ -65,7 +65,7 @@ pub struct CpuSpec {
     /// A whole inbound tensor's check when it is byte-compared (at most
     /// `BYTE_COMPARE_MAX`: digest, the expected digest, a fresh generation, the compare), per
     /// byte, as `--calibrate-cpu` measures the stubs' check; unset, it is charged as
-    /// 2 x generate + 2 x digest, a quarter to a half below the check timed here (docs/sim.md).
+    /// 2 x generate + 2 x digest, as much as 40% below the check timed here (docs/sim.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check_ns_per_byte: Option<f64>,
     /// What each whole inbound tensor's check costs beyond its bytes (the generator's setup,
