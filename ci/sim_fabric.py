@@ -3,24 +3,26 @@ the fabrics they build, from `omnirig simulate --calibrate-cpu`'s cpu.yaml (docs
 import re
 
 
-def wake_after(cal):
-    """The calibration's wake by time parked, its block as written; "" where it has none."""
-    m = re.search(r"^  wake_after:\n(?:    - .*\n)+", cal, re.M)
+def _lines(cal, pattern):
+    """The lines of calibration text `cal` that `pattern` matches, as written; "" where there
+    are none (a calibration made before that figure was measured)."""
+    m = re.search(pattern, cal, re.M)
     return m.group(0) if m else ""
+
+
+def wake_after(cal):
+    """The calibration's wake by time parked, its block as written."""
+    return _lines(cal, r"^  wake_after:\n(?:    - .*\n)+")
 
 
 def check(cal):
-    """The calibration's whole-tensor check (rate and fixed cost), its lines as written; ""
-    where it has none (a calibration made before the check was measured)."""
-    m = re.search(r"^  check_ns_per_byte: .*\n  check_us: .*\n", cal, re.M)
-    return m.group(0) if m else ""
+    """The calibration's whole-tensor check (rate and fixed cost), its lines as written."""
+    return _lines(cal, r"^  check_ns_per_byte: .*\n  check_us: .*\n")
 
 
 def per_write(cal):
-    """The calibration's cost of each write beyond a transfer's first, its line as written;
-    "" where it has none (a calibration made before it was measured)."""
-    m = re.search(r"^  write_us: .*\n", cal, re.M)
-    return m.group(0) if m else ""
+    """The calibration's cost of each write beyond a transfer's first, its line as written."""
+    return _lines(cal, r"^  write_us: .*\n")
 
 
 def cpu_section(cal, copy, hosts, curve=False, checked=False, writes=False):

@@ -59,8 +59,8 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
         None => omnirig_transports::FabricSpec::default(),
     };
     let nodes: Vec<&str> = fabric.nodes.iter().map(|n| n.name.as_str()).collect();
-    let (wake, after, writes) =
-        measure_wake().context("measuring a parked process's wake-up and a write's cost")?;
+    let (wake, after, writes) = measure_engine_writes()
+        .context("measuring a parked process's wake-up and a write's cost")?;
     let c = omnirig_harness::host::calibrate(args.calibrate_mib << 20, 2000)
         .context("calibrating the host model")?
         .with_wake(wake)
@@ -108,7 +108,7 @@ const WAKE_AFTER_GAPS: [std::time::Duration; 3] = [
 /// [`WAKE_AFTER_GAPS`], and as a batch of [`WRITE_BATCH`] back to back, [`WAKE_REPEATS`]
 /// times, in turn; the medians of the p50s. Returns the sample after [`WAKE_GAP`]
 /// (`wake_us`), one per pause (`wake_after`) and the batch against one write (`write_us`).
-fn measure_wake() -> anyhow::Result<(
+fn measure_engine_writes() -> anyhow::Result<(
     omnirig_harness::host::WakeSample,
     Vec<omnirig_harness::host::WakeSample>,
     omnirig_harness::host::BatchSample,
