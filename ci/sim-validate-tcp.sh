@@ -14,10 +14,13 @@
 #   ci/sim-validate-tcp.sh [OUT]   OUT (default $TMPDIR/omnirig-sim-tcp) gets link.json,
 #                                  cal/cpu.yaml, cal/cpu-calibration.json, m-cC-I/report.json,
 #                                  load.txt (the load average around each step) and predicted/
-#                                  (fabrics T, W, E, C, K, L and P from these figures, each scored
-#                                  against the reports)
-#   CONCURRENCY="1 4" (default), REPEATS=3 (default), OMNIRIG=PATH: a release binary built
-#   elsewhere (a machine without a Rust toolchain); without it the script builds one
+#                                  (fabrics T, W, E, C, K, L, P and Q from these figures, each
+#                                  scored against the reports)
+#   CONCURRENCY="1 4" (default), REPEATS=3 (default), ROUNDS=16 (default: each run's requests,
+#   the scenario's three repeated until at least ROUNDS times the concurrency, 18 at 1 and 66
+#   at 4; a run's p50 of 6 requests moved by up to 30% from run to run), OMNIRIG=PATH: a
+#   release binary built elsewhere (a machine without a Rust toolchain); without it the
+#   script builds one
 # Run it on a quiet machine: the five stage processes share its cores with whatever else runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +36,7 @@ else
 fi
 conc=${CONCURRENCY:-1 4}
 repeats=${REPEATS:-3}
+rounds=${ROUNDS:-16}
 load() { echo "$1: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/load.txt"; }
 load "$(nproc) cores, built in $((SECONDS - t0)) s"
 
@@ -47,7 +51,7 @@ t=$SECONDS
 load "calibration"
 echo "calibration: $((SECONDS - t)) s"
 "$exe" simulate --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \
-  --scenarios-out "$out/scenarios" > /dev/null
+  --rounds "$rounds" --scenarios-out "$out/scenarios" > /dev/null
 rc=0
 for c in $conc; do
   for i in $(seq "$repeats"); do
@@ -59,7 +63,7 @@ for c in $conc; do
   done
 done
 
-# The model, from this window's figures alone: seven fabrics, five stage processes as five
+# The model, from this window's figures alone: eight fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
 # round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
 # the wake, the check and the loopback's capacity:
@@ -77,11 +81,13 @@ done
 #      loopback the wire is those cores, so a machine of more cores runs that many such
 #      transfers side by side at the full rate (on 2 or 4 cores, L is K);
 #   P: as L, each write of a transfer beyond its first at its measured cost (`write_us`:
-#      an engine's 32 writes of 4 KiB in one transfer against one write).
+#      an engine's 32 writes of 4 KiB in one transfer against one write);
+#   Q: as P, the packet connector's consumer decoding the packet at the fence (`packet_us`,
+#      `packet_entry_us`: msgpack and its entries, timed after a 10 ms pause).
 python3 - "$out" "$(nproc)" << 'PY'
 import json, os, re, sys
 sys.path.insert(0, "ci")
-from sim_fabric import check, cpu_section, per_write, wake_after
+from sim_fabric import check, cpu_section, packet, per_write, wake_after
 out, cores = sys.argv[1], int(sys.argv[2])
 rows = json.load(open(f"{out}/link.json"))["rows"]
 fig = lambda op, size: next(r["omnirig"] for r in rows if r["op"] == op and r["size"] == size)
@@ -91,21 +97,25 @@ cpu = open(f"{out}/cal/cpu.yaml").read()
 one_way = rtt / 2
 switch = max(one_way - 4, 0)  # 2 us in each process's socket, the rest in the loopback
 copy = float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
+# name: (copy ns/B, wake by time parked, measured check, loopback capacity factor, each
+# write's cost, a packet's decode, why)
+scale = max(1, cores // 4)
 variants = {
-    "T": (copy, False, False, 1, False, f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
-    "W": (copy, True, False, 1, False, f"as T, the wake by time parked (wake_after)"),
-    "E": (1 / gbs, False, False, 1, False, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
-    "C": (copy, False, True, 1, False, f"as T, a whole tensor's check at the stubs' measured check"),
-    "K": (copy, True, True, 1, False, f"as W, with the measured check"),
-    "L": (copy, True, True, max(1, cores // 4), False,
-          f"as K, the loopback's capacity times max(1, cores / 4) = {max(1, cores // 4)}"),
-    "P": (copy, True, True, max(1, cores // 4), True, f"as L, each write beyond a transfer's first at its measured cost"),
+    "T": (copy, False, False, 1, False, False, f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
+    "W": (copy, True, False, 1, False, False, f"as T, the wake by time parked (wake_after)"),
+    "E": (1 / gbs, False, False, 1, False, False, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "C": (copy, False, True, 1, False, False, f"as T, a whole tensor's check at the stubs' measured check"),
+    "K": (copy, True, True, 1, False, False, f"as W, with the measured check"),
+    "L": (copy, True, True, scale, False, False, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
+    "P": (copy, True, True, scale, True, False, f"as L, each write beyond a transfer's first at its measured cost"),
+    "Q": (copy, True, True, scale, True, True, f"as P, a packet's decode at the fence at its measured cost"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
-for name, (copy, curve, checked, scale, writes, why) in variants.items():
+for name, (copy, curve, checked, scale, writes, packets, why) in variants.items():
     link = f"{gbs * 8 * scale:.3f}"
-    if (curve and not wake_after(cpu)) or (checked and not check(cpu)) or (writes and not per_write(cpu)):
+    if ((curve and not wake_after(cpu)) or (checked and not check(cpu))
+            or (writes and not per_write(cpu)) or (packets and not packet(cpu))):
         continue
     nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {link}, latency_us: 2 }}], "
                     f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
@@ -121,16 +131,16 @@ nodes:
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 """ + cpu_section(cpu, f"{copy:.4f}",
                   f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve,
-                  checked, writes)
+                  checked, writes, packets)
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E C K L P; do
+  for f in T W E C K L P Q; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \
-      --measured "$out"/m-c*-*/report.json --out "$out/predicted/$f" > "$out/predicted/$f.log" 2>&1 \
+      --rounds "$rounds" --measured "$out"/m-c*-*/report.json --out "$out/predicted/$f" > "$out/predicted/$f.log" 2>&1 \
       && echo "fabric $f: $(tail -1 "$out/predicted/$f/simulate.md")" \
       || echo "fabric $f: simulate failed (predicted/$f.log)"
   done

@@ -27,6 +27,8 @@ use tokio::time::{Duration, Instant};
 ///   copy_ns_per_byte: 0.35      # a transport copying a byte, on each side (tcp send / recv)
 ///   message_us: 12              # per control message, on each side (encode, syscall, wake-up)
 ///   write_us: 25                # per write of a transfer beyond its first, on each side
+///   packet_us: 15               # a packet handoff's sidecar decoded at the fence ...
+///   packet_entry_us: 5          # ... and each of its entries
 ///   wake_us: 130                # a parked stage process resuming for traffic (latency, no work)
 ///   wake_after:                 # optional: the wake by how long the process was parked
 ///     - { idle_us: 1000, wake_us: 20 }
@@ -57,6 +59,15 @@ pub struct CpuSpec {
     /// request, where it comes to milliseconds (docs/sim.md).
     #[serde(default)]
     pub write_us: f64,
+    /// The packet connector's consumer decoding and checking the packet when the grants are
+    /// fenced (msgpack, its version, request and entries' dtypes, shapes and digests), before
+    /// any tensor's check: per handoff, plus `packet_entry_us` per entry. A consumer that
+    /// parked for the bytes decodes it cold; `--calibrate-cpu` times that after a pause
+    /// (20 to 90 us here, a third of talker -> code2wav's handoff beyond its transfer).
+    #[serde(default)]
+    pub packet_us: f64,
+    #[serde(default)]
+    pub packet_entry_us: f64,
     /// The decode stage's KV check (blocks that arrived digested in its pool, expected blocks
     /// generated and digested), per byte, as `--calibrate-cpu` measures it in a pool; unset,
     /// it is charged as generate + 2 x digest. Under TCG it costs 1.7x that (docs/sim.md).
@@ -118,6 +129,8 @@ impl Default for CpuSpec {
             copy_ns_per_byte: 0.0,
             message_us: 0.0,
             write_us: 0.0,
+            packet_us: 0.0,
+            packet_entry_us: 0.0,
             kv_check_ns_per_byte: None,
             check_ns_per_byte: None,
             check_us: 0.0,
@@ -152,6 +165,8 @@ impl CpuSpec {
             ("copy_ns_per_byte", self.copy_ns_per_byte, 1e6),
             ("message_us", self.message_us, 1e7),
             ("write_us", self.write_us, 1e7),
+            ("packet_us", self.packet_us, 1e7),
+            ("packet_entry_us", self.packet_entry_us, 1e7),
             ("check_us", self.check_us, 1e7),
             ("wake_us", self.wake_us, 1e7),
             ("park_us", self.park_us, 1e7),
@@ -241,6 +256,8 @@ impl CpuSpec {
             && self.copy_ns_per_byte == 0.0
             && self.message_us == 0.0
             && self.write_us == 0.0
+            && self.packet_us == 0.0
+            && self.packet_entry_us == 0.0
             && self.check_us == 0.0
             && self.wake_us == 0.0
             && self.wake_after.iter().all(|p| p.wake_us == 0.0)
@@ -578,6 +595,16 @@ impl StageCpu {
         self.host.run(w).await;
     }
 
+    /// The packet connector's consumer decoding a packet of `entries` entries at the fence
+    /// ([`CpuSpec::packet_us`]).
+    pub async fn packet(&self, entries: usize) {
+        let s = self.cpu.spec();
+        let w = self
+            .cpu
+            .us(s.packet_us + entries as f64 * s.packet_entry_us);
+        self.host.run(w).await;
+    }
+
     /// Verifying `bytes` of KV blocks that arrived in the decode stage's pool: against the
     /// remembered digests, a digest of what arrived; otherwise the KV check at its own
     /// measured rate where the host model has one.
@@ -682,6 +709,13 @@ pub struct Calibration {
     pub check_us: f64,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub checks: Vec<CheckSample>,
+    /// The packet's decode at the fence ([`CpuSpec::packet_us`],
+    /// [`CpuSpec::packet_entry_us`]), fitted by [`Calibration::with_packets`] from
+    /// `packets`; 0 until measured.
+    pub packet_us: f64,
+    pub packet_entry_us: f64,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub packets: Vec<PacketSample>,
     /// Cores this process may use.
     pub cores: u32,
     /// Bytes each throughput was measured over, and the round trips timed.
@@ -862,6 +896,9 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         check_ns_per_byte: None,
         check_us: 0.0,
         checks: Vec::new(),
+        packet_us: 0.0,
+        packet_entry_us: 0.0,
+        packets: Vec::new(),
         write_us: 0.0,
         writes_from: None,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
@@ -976,10 +1013,6 @@ pub fn measure_checks(
     use omnirig_model_stubs::{BYTE_COMPARE_MAX, ComputeTime, Stub};
     let io = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
     let card = ModelCard::qwen3_omni();
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let repeats = repeats.max(1);
     let mut out = Vec::new();
     for case in golden_cases() {
@@ -1006,10 +1039,10 @@ pub fn measure_checks(
                     Ok(t0.elapsed().as_nanos() as f64 / 1e3)
                 };
                 once()?;
-                let hot = (0..repeats)
+                let mut hot = (0..repeats)
                     .map(|_| once())
                     .collect::<std::io::Result<Vec<_>>>()?;
-                let cold = (0..repeats)
+                let mut cold = (0..repeats)
                     .map(|_| {
                         std::thread::sleep(gap);
                         once()
@@ -1018,14 +1051,105 @@ pub fn measure_checks(
                 out.push(CheckSample {
                     tensor: format!("{}/{}/{}", case.name, hop.payload_kind, t.name),
                     bytes: t.byte_length,
-                    hot_us: median(hot),
-                    cold_us: median(cold),
+                    hot_us: median_of(&mut hot),
+                    cold_us: median_of(&mut cold),
                     gap_us: gap.as_micros() as u64,
                 });
             }
         }
     }
     Ok(out)
+}
+
+/// The packet connector's consumer decoding a golden case's packet for one hop (see
+/// [`measure_packets`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PacketSample {
+    /// `case/hop`.
+    pub packet: String,
+    pub entries: usize,
+    pub bytes: usize,
+    /// Back to back, median of the repeats, microseconds.
+    pub hot_us: f64,
+    /// Each after a pause of `gap_us`, median of the repeats, microseconds.
+    pub cold_us: f64,
+    pub gap_us: u64,
+}
+
+/// Times the packet connector consumer's decode of the packet (`Packet::from_msgpack`, then
+/// each of the hop's tensors looked up in it, as the consumer checks it) for every golden
+/// case's hops but KV, `repeats` times back to back and after `gap` each.
+pub fn measure_packets(
+    repeats: usize,
+    gap: std::time::Duration,
+) -> std::io::Result<Vec<PacketSample>> {
+    use omnirig_fixtures::{
+        Digest128, ModelCard, Packet, PayloadKind, ShapeOptions, TensorEntry, golden_cases,
+        plan_request,
+    };
+    let io = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
+    let card = ModelCard::qwen3_omni();
+    let repeats = repeats.max(1);
+    let mut out = Vec::new();
+    for case in golden_cases() {
+        let plan =
+            plan_request(&card, &case.request, &ShapeOptions::default()).map_err(|e| io(&e))?;
+        for hop in plan
+            .hops
+            .iter()
+            .filter(|h| h.payload_kind != PayloadKind::KvCache)
+        {
+            let entries = hop
+                .tensors
+                .iter()
+                .map(|t| TensorEntry {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    byte_length: t.byte_length,
+                    digest: Digest128::of_bytes(t.name.as_bytes()),
+                    transfer_key: None,
+                })
+                .collect();
+            let rid = format!("000-{}", case.name);
+            let bytes = Packet::new(rid, hop.payload_kind, 0, true, entries)
+                .to_msgpack()
+                .map_err(|e| io(&e))?;
+            let once = || -> std::io::Result<f64> {
+                let t0 = std::time::Instant::now();
+                let p = Packet::from_msgpack(std::hint::black_box(&bytes)).map_err(|e| io(&e))?;
+                for t in &hop.tensors {
+                    std::hint::black_box(p.entry(&t.name).map(|e| e.digest));
+                }
+                Ok(t0.elapsed().as_nanos() as f64 / 1e3)
+            };
+            once()?;
+            let mut hot = (0..repeats)
+                .map(|_| once())
+                .collect::<std::io::Result<Vec<_>>>()?;
+            let mut cold = (0..repeats)
+                .map(|_| {
+                    std::thread::sleep(gap);
+                    once()
+                })
+                .collect::<std::io::Result<Vec<_>>>()?;
+            out.push(PacketSample {
+                packet: format!("{}/{}", case.name, hop.payload_kind),
+                entries: hop.tensors.len(),
+                bytes: bytes.len(),
+                hot_us: median_of(&mut hot),
+                cold_us: median_of(&mut cold),
+                gap_us: gap.as_micros() as u64,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The median of `v` (the upper one of an even count); 0 for none.
+fn median_of(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// An engine write's round trip to a peer process, hot and cold (the wake's measurement).
@@ -1128,6 +1252,35 @@ impl Calibration {
         self
     }
 
+    /// Sets the packet's decode from [`measure_packets`]' samples, after the pause (the
+    /// consumer parked for the bytes): the median of the packets with the fewest entries and
+    /// of those with the most give a line, its slope per entry and the rest per packet (both
+    /// at least 0); all of one size, the median is per packet.
+    pub fn with_packets(mut self, samples: Vec<PacketSample>) -> Self {
+        let at = |n: usize| {
+            let mut v: Vec<f64> = samples
+                .iter()
+                .filter(|p| p.entries == n)
+                .map(|p| p.cold_us)
+                .collect();
+            median_of(&mut v)
+        };
+        let (few, most) = (
+            samples.iter().map(|p| p.entries).min(),
+            samples.iter().map(|p| p.entries).max(),
+        );
+        (self.packet_us, self.packet_entry_us) = match (few, most) {
+            (Some(a), Some(b)) if b > a => {
+                let per = ((at(b) - at(a)) / (b - a) as f64).max(0.0);
+                ((at(a) - per * a as f64).max(0.0), per)
+            }
+            (Some(a), _) => (at(a), 0.0),
+            _ => (0.0, 0.0),
+        };
+        self.packets = samples;
+        self
+    }
+
     /// The `cpu:` section of a fabric file, every fabric node in `nodes` on one host with
     /// this machine's cores (as `omnirig run --processes` places its stage processes).
     pub fn cpu_yaml(&self, nodes: &[&str]) -> String {
@@ -1158,6 +1311,16 @@ impl Calibration {
                  \x20 # and beyond its bytes after {pause} ms idle:\n  check_ns_per_byte: {r:.4}\n  check_us: {:.1}\n",
                 self.checks.len(),
                 self.check_us,
+            );
+        }
+        if !self.packets.is_empty() {
+            let pause = self.packets[0].gap_us / 1000;
+            y += &format!(
+                "  # a packet's decode at the fence, {} packets of 1 to {} entries after {pause} ms idle:\n  packet_us: {:.1}\n  packet_entry_us: {:.2}\n",
+                self.packets.len(),
+                self.packets.iter().map(|p| p.entries).max().unwrap_or(0),
+                self.packet_us,
+                self.packet_entry_us,
             );
         }
         if let Some(b) = &self.writes_from {

@@ -36,8 +36,8 @@ use crate::protocol::kv::{
     KvConsumer, KvConsumerAction, KvProducer, KvProducerAction, KvProducerState, kv_tensor,
 };
 use crate::protocol::{
-    ConsumerAction, HandoffTimes, LinkEvents, PacketConsumer, PacketProducer, ProducerAction,
-    ProducerState, bad_reply,
+    ConsumerAction, ConsumerState, HandoffTimes, LinkEvents, PacketConsumer, PacketProducer,
+    ProducerAction, ProducerState, bad_reply,
 };
 use crate::report::Failure;
 
@@ -1066,7 +1066,12 @@ impl StageWorker {
                     }
                     ConsumerAction::Revoke(grants) => {
                         revoke_all(engine, &grants);
+                        let decodes = m.state() == ConsumerState::Fencing;
                         m.fenced(now());
+                        if decodes && let Some(h) = &self.host {
+                            // fenced() decoded the packet, in no virtual time: charge it.
+                            h.packet(hop.tensors.len()).await;
+                        }
                     }
                     ConsumerAction::Land {
                         index,

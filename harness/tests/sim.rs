@@ -506,6 +506,76 @@ fn a_transfer_pays_for_each_write_beyond_its_first() {
     refused_on_localhost("  write_us: -1", "cpu.write_us: -1");
 }
 
+/// The packet connector's consumer pays for decoding the packet when it fences the grants
+/// (`packet_us`, and `packet_entry_us` per entry), in the verify phase of thinker -> talker
+/// (five entries) and talker -> code2wav (one), not on the other connectors' hops.
+#[test]
+fn a_packet_handoff_pays_for_its_decode() {
+    let (s, cpu) = image_audio_on_localhost();
+    let run = |packet_us: f64, packet_entry_us: f64| {
+        let r = passing_run(
+            &s,
+            omnirig_harness::host::CpuSpec {
+                packet_us,
+                packet_entry_us,
+                ..cpu.clone()
+            },
+        );
+        r.requests[0]
+            .hops
+            .iter()
+            .map(|h| (h.hop.clone(), (h.tensors, h.phases_ms.verify)))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (free, per_packet, per_entry) = (run(0.0, 0.0), run(1000.0, 0.0), run(0.0, 1000.0));
+    let entries = |hop: &str| free[hop].0;
+    assert_eq!(
+        (entries("thinker_to_talker"), entries("talker_to_code2wav")),
+        (5, 1)
+    );
+    for (hop, (n, ms)) in &free {
+        let (packet, entry) = match hop.as_str() {
+            "thinker_to_talker" | "talker_to_code2wav" => (1.0, *n as f64),
+            _ => (0.0, 0.0),
+        };
+        for (paid, want) in [(&per_packet, packet), (&per_entry, entry)] {
+            let extra = paid[hop].1 - ms;
+            assert!(
+                (extra - want).abs() <= 0.02,
+                "{hop}: {n} entries, verify {ms} ms free, {} ms paid, want {want} ms more",
+                paid[hop].1
+            );
+        }
+    }
+    refused_on_localhost("  packet_us: -1", "cpu.packet_us: -1");
+    refused_on_localhost("  packet_entry_us: .nan", "cpu.packet_entry_us: NaN");
+}
+
+/// The packet calibration decodes every golden case's packet for each hop but KV.
+#[test]
+fn the_packet_calibration_decodes_every_hop_but_kv() {
+    let samples =
+        omnirig_harness::host::measure_packets(1, std::time::Duration::from_micros(100)).unwrap();
+    let hops: std::collections::BTreeSet<&str> = samples
+        .iter()
+        .map(|p| p.packet.split('/').nth(1).unwrap())
+        .collect();
+    assert_eq!(
+        hops.into_iter().collect::<Vec<_>>(),
+        [
+            "encoder_embeddings",
+            "talker_to_code2wav",
+            "thinker_to_talker"
+        ]
+    );
+    assert!(
+        samples
+            .iter()
+            .all(|p| p.entries >= 1 && p.bytes > 0 && p.hot_us > 0.0 && p.cold_us > 0.0),
+        "{samples:?}"
+    );
+}
+
 /// The check's calibration times the stubs' real check on every golden case's byte-compared
 /// inputs (the bytes the upstream stub produces, so each check passes), none of KV.
 #[test]
@@ -630,7 +700,26 @@ fn the_calibration_parses_back_as_a_fabric() {
             sample(100_000, 300.0, 330.0),
             sample(200_000, 500.0, 520.0),
             sample(400_000, 1400.0, 1500.0),
-        ]);
+        ])
+        .with_packets(
+            [
+                (1, 18.0),
+                (1, 20.0),
+                (1, 22.0),
+                (2, 99.0),
+                (5, 30.0),
+                (5, 34.0),
+            ]
+            .map(|(entries, cold_us)| omnirig_harness::host::PacketSample {
+                packet: format!("p{entries}"),
+                entries,
+                bytes: 100 * entries,
+                hot_us: 2.0,
+                cold_us,
+                gap_us: 10_000,
+            })
+            .to_vec(),
+        );
     let section = checked.cpu_yaml(&nodes);
     let (_, cpu) = sim::fabric_file_from_str(&format!("{text}\n{section}"), "checked")
         .unwrap_or_else(|e| panic!("{e}\n{section}"));
@@ -639,6 +728,13 @@ fn the_calibration_parses_back_as_a_fabric() {
     assert_eq!(cpu.check_ns_per_byte, Some(3.0), "{section}");
     assert_eq!(format!("{:.1}", cpu.check_us), "7.9", "{section}");
     assert_eq!(cpu.write_us, 25.0, "{section}");
+    // the packets' decode: medians 20 us at one entry and 34 us at five (the two-entry
+    // packet is neither), so 3.5 us an entry and 16.5 a packet
+    assert_eq!(
+        (cpu.packet_us, cpu.packet_entry_us),
+        (16.5, 3.5),
+        "{section}"
+    );
     assert!(
         section.contains("32 writes of 4 KiB in one transfer: 800.0 us, one: 25.0 us"),
         "{section}"

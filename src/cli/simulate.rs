@@ -42,10 +42,10 @@ pub struct SimulateArgs {
     #[arg(long)]
     scenarios_out: Option<PathBuf>,
     /// Measure this machine's CPU costs (generate, digest, tcp copy, control round trip, a
-    /// write's own cost in a batch, the stubs' whole-tensor check, a parked process's wake)
-    /// and print them as a fabric's `cpu:` section, every node of `--fabric` (or of the
-    /// default fabric) on one host with this machine's cores; with `--out`, also write
-    /// `cpu.yaml` and `cpu-calibration.json` there. Simulates nothing.
+    /// write's own cost in a batch, the stubs' whole-tensor check, a packet's decode, a
+    /// parked process's wake) and print them as a fabric's `cpu:` section, every node of
+    /// `--fabric` (or of the default fabric) on one host with this machine's cores; with
+    /// `--out`, also write `cpu.yaml` and `cpu-calibration.json` there. Simulates nothing.
     #[arg(long)]
     calibrate_cpu: bool,
     /// `--calibrate-cpu`: MiB each throughput is measured over.
@@ -69,6 +69,10 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
         .with_checks(
             omnirig_harness::host::measure_checks(CHECK_REPEATS, WAKE_GAP)
                 .context("timing the stubs' whole-tensor check")?,
+        )
+        .with_packets(
+            omnirig_harness::host::measure_packets(PACKET_REPEATS, WAKE_GAP)
+                .context("timing a packet's decode")?,
         );
     let yaml = c.cpu_yaml(&nodes);
     print!("{yaml}");
@@ -94,6 +98,8 @@ const WAKE_REPEATS: usize = 3;
 const WRITE_BATCH: usize = 32;
 /// Checks of each tensor, back to back and after a pause, for the check's cost (about 3 s).
 const CHECK_REPEATS: usize = 7;
+/// Decodes of each packet, back to back and after a pause (about 2 s).
+const PACKET_REPEATS: usize = 15;
 /// The pauses of the wake by time parked (`wake_after`): a stage's engine thread waiting
 /// for an acknowledgement parks for a fraction of a millisecond, a stage idle between
 /// requests for tens to hundreds; the wake grows with the pause (docs/sim.md).
