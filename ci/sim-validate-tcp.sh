@@ -18,9 +18,9 @@
 #                                  scored against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default), ROUNDS=16 (default: each run's requests,
 #   the scenario's three repeated until at least ROUNDS times the concurrency, 18 at 1 and 66
-#   at 4; with 6 and 18, a run's p50 moved by up to 51% between one window's runs), OMNIRIG=PATH: a
-#   release binary built elsewhere (a machine without a Rust toolchain); without it the
-#   script builds one
+#   at 4; with 6 and 18, a run's p50 moved by up to 51% between one window's runs),
+#   OMNIRIG=PATH: a release binary built elsewhere (a machine without a Rust toolchain);
+#   without it the script builds one
 # Run it on a quiet machine: the five stage processes share its cores with whatever else runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
