@@ -62,8 +62,9 @@ pub struct CpuSpec {
     /// The packet connector's consumer decoding and checking the packet when the grants are
     /// fenced (msgpack, its version, request and entries' dtypes, shapes and digests), before
     /// any tensor's check: per handoff, plus `packet_entry_us` per entry. A consumer that
-    /// parked for the bytes decodes it cold; `--calibrate-cpu` times that after a pause
-    /// (20 to 90 us here, a third of talker -> code2wav's handoff beyond its transfer).
+    /// parked for the bytes decodes it cold; `--calibrate-cpu` times that after a pause.
+    /// Measured in place: 18 to 90 us, a third to a half of talker -> code2wav's verify
+    /// phase (docs/sim.md).
     #[serde(default)]
     pub packet_us: f64,
     #[serde(default)]
