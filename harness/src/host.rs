@@ -1039,21 +1039,12 @@ pub fn measure_checks(
                         .map_err(|e| io(&e))?;
                     Ok(t0.elapsed().as_nanos() as f64 / 1e3)
                 };
-                once()?;
-                let mut hot = (0..repeats)
-                    .map(|_| once())
-                    .collect::<std::io::Result<Vec<_>>>()?;
-                let mut cold = (0..repeats)
-                    .map(|_| {
-                        std::thread::sleep(gap);
-                        once()
-                    })
-                    .collect::<std::io::Result<Vec<_>>>()?;
+                let (hot_us, cold_us) = hot_and_cold(repeats, gap, once)?;
                 out.push(CheckSample {
                     tensor: format!("{}/{}/{}", case.name, hop.payload_kind, t.name),
                     bytes: t.byte_length,
-                    hot_us: median_of(&mut hot),
-                    cold_us: median_of(&mut cold),
+                    hot_us,
+                    cold_us,
                     gap_us: gap.as_micros() as u64,
                 });
             }
@@ -1124,27 +1115,38 @@ pub fn measure_packets(
                 }
                 Ok(t0.elapsed().as_nanos() as f64 / 1e3)
             };
-            once()?;
-            let mut hot = (0..repeats)
-                .map(|_| once())
-                .collect::<std::io::Result<Vec<_>>>()?;
-            let mut cold = (0..repeats)
-                .map(|_| {
-                    std::thread::sleep(gap);
-                    once()
-                })
-                .collect::<std::io::Result<Vec<_>>>()?;
+            let (hot_us, cold_us) = hot_and_cold(repeats, gap, once)?;
             out.push(PacketSample {
                 packet: format!("{}/{}", case.name, hop.payload_kind),
                 entries: hop.tensors.len(),
                 bytes: bytes.len(),
-                hot_us: median_of(&mut hot),
-                cold_us: median_of(&mut cold),
+                hot_us,
+                cold_us,
                 gap_us: gap.as_micros() as u64,
             });
         }
     }
     Ok(out)
+}
+
+/// `once` (which times itself, in us) once to warm up, then `repeats` times back to back
+/// and `repeats` times each after a pause of `gap`: the two medians.
+fn hot_and_cold(
+    repeats: usize,
+    gap: std::time::Duration,
+    once: impl Fn() -> std::io::Result<f64>,
+) -> std::io::Result<(f64, f64)> {
+    once()?;
+    let mut hot = (0..repeats)
+        .map(|_| once())
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut cold = (0..repeats)
+        .map(|_| {
+            std::thread::sleep(gap);
+            once()
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    Ok((median_of(&mut hot), median_of(&mut cold)))
 }
 
 /// The median of `v` (the upper one of an even count); 0 for none.

@@ -551,22 +551,28 @@ fn a_packet_handoff_pays_for_its_decode() {
     refused_on_localhost("  packet_entry_us: .nan", "cpu.packet_entry_us: NaN");
 }
 
+/// Every hop but KV, in order.
+const NOT_KV: [&str; 3] = [
+    "encoder_embeddings",
+    "talker_to_code2wav",
+    "thinker_to_talker",
+];
+
+/// The hops that calibration samples named `case/hop[/tensor]` cover, in order, each once.
+fn hops_named<'a>(names: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let hops: std::collections::BTreeSet<&str> =
+        names.map(|n| n.split('/').nth(1).unwrap()).collect();
+    hops.into_iter().collect()
+}
+
 /// The packet calibration decodes every golden case's packet for each hop but KV.
 #[test]
 fn the_packet_calibration_decodes_every_hop_but_kv() {
     let samples =
         omnirig_harness::host::measure_packets(1, std::time::Duration::from_micros(100)).unwrap();
-    let hops: std::collections::BTreeSet<&str> = samples
-        .iter()
-        .map(|p| p.packet.split('/').nth(1).unwrap())
-        .collect();
     assert_eq!(
-        hops.into_iter().collect::<Vec<_>>(),
-        [
-            "encoder_embeddings",
-            "talker_to_code2wav",
-            "thinker_to_talker"
-        ]
+        hops_named(samples.iter().map(|p| p.packet.as_str())),
+        NOT_KV
     );
     assert!(
         samples
@@ -582,17 +588,9 @@ fn the_packet_calibration_decodes_every_hop_but_kv() {
 fn the_check_calibration_times_every_byte_compared_input() {
     let samples =
         omnirig_harness::host::measure_checks(1, std::time::Duration::from_micros(100)).unwrap();
-    let hops: std::collections::BTreeSet<&str> = samples
-        .iter()
-        .map(|c| c.tensor.split('/').nth(1).unwrap())
-        .collect();
     assert_eq!(
-        hops.into_iter().collect::<Vec<_>>(),
-        [
-            "encoder_embeddings",
-            "talker_to_code2wav",
-            "thinker_to_talker"
-        ]
+        hops_named(samples.iter().map(|c| c.tensor.as_str())),
+        NOT_KV
     );
     for c in &samples {
         assert!(
