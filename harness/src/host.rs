@@ -752,7 +752,6 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
     let bytes = bytes.max(1 << 16) & !1;
-    let io = |e: omnirig_fixtures::FixtureError| std::io::Error::other(e.to_string());
     let spec = omnirig_fixtures::TensorSpec::new(
         "calibrate",
         omnirig_fixtures::DType::BF16,
@@ -918,7 +917,6 @@ fn kv_check_in_pool(
     dtype: omnirig_fixtures::DType,
 ) -> std::io::Result<f64> {
     use omnirig_transports::{Engine, EngineConfig, InProcessStore, TransportKind};
-    let io = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
     let layers = omnirig_fixtures::ModelCard::qwen3_omni().thinker.num_layers;
     let blocks = (bytes / (u64::from(layers) * 2 * block_bytes)).max(1);
     let geo = crate::kv::KvGeometry {
@@ -934,8 +932,8 @@ fn kv_check_in_pool(
             EngineConfig::for_kind("calibrate-kv", TransportKind::Loopback)
                 .store(InProcessStore::new()),
         ))
-        .map_err(|e| io(&e))?;
-    let pool = engine.allocate(geo.buffer_bytes()).map_err(|e| io(&e))?;
+        .map_err(io)?;
+    let pool = engine.allocate(geo.buffer_bytes()).map_err(io)?;
     let elements = blocks * block_bytes / dtype.size_bytes() as u64;
     let generators: Vec<_> = (0..layers * 2)
         .map(|t| {
@@ -946,7 +944,7 @@ fn kv_check_in_pool(
                 omnirig_fixtures::ValueRange::Any,
             )
             .map(|spec| omnirig_fixtures::TensorGenerator::new(u64::from(t) + 7, &spec))
-            .map_err(|e| io(&e))
+            .map_err(io)
         })
         .collect::<std::io::Result<_>>()?;
     // what landed: each tensor's blocks where the stage's pool keeps them
@@ -956,7 +954,7 @@ fn kv_check_in_pool(
             let at = (b * block_bytes) as usize;
             let off = geo.offset(t as u32 / 2, t % 2 == 1, b as u32);
             pool.write(off, &bytes[at..at + block_bytes as usize])
-                .map_err(|e| io(&e))?;
+                .map_err(io)?;
         }
     }
     let block_elements = block_bytes / dtype.size_bytes() as u64;
@@ -970,8 +968,8 @@ fn kv_check_in_pool(
                     pool.view(off, block_bytes, omnirig_fixtures::Digest128::of_bytes)
                 })
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| io(&e))?;
-            let want = omnirig_fixtures::block_digests(g, block_elements).map_err(|e| io(&e))?;
+                .map_err(io)?;
+            let want = omnirig_fixtures::block_digests(g, block_elements).map_err(io)?;
             if want != got {
                 return Err(std::io::Error::other(
                     "calibration: the KV check in the pool found blocks that differ",
@@ -1010,20 +1008,11 @@ pub fn measure_checks(
     repeats: usize,
     gap: std::time::Duration,
 ) -> std::io::Result<Vec<CheckSample>> {
-    use omnirig_fixtures::{ModelCard, PayloadKind, ShapeOptions, golden_cases, plan_request};
     use omnirig_model_stubs::{BYTE_COMPARE_MAX, ComputeTime, Stub};
-    let io = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
-    let card = ModelCard::qwen3_omni();
     let repeats = repeats.max(1);
     let mut out = Vec::new();
-    for case in golden_cases() {
-        let plan =
-            plan_request(&card, &case.request, &ShapeOptions::default()).map_err(|e| io(&e))?;
-        for hop in plan
-            .hops
-            .iter()
-            .filter(|h| h.payload_kind != PayloadKind::KvCache)
-        {
+    for (case, plan) in golden_plans()? {
+        for hop in hops_but_kv(&plan) {
             let up = Stub::new(hop.source, ComputeTime::default());
             let down = Stub::new(hop.target, ComputeTime::default());
             for t in hop
@@ -1032,16 +1021,16 @@ pub fn measure_checks(
                 .filter(|t| t.byte_length <= BYTE_COMPARE_MAX)
             {
                 let mut bytes = vec![0u8; t.byte_length as usize];
-                up.produce(&plan, t, 0, &mut bytes).map_err(|e| io(&e))?;
+                up.produce(&plan, t, 0, &mut bytes).map_err(io)?;
                 let once = || -> std::io::Result<f64> {
                     let t0 = std::time::Instant::now();
                     down.check_input(&plan, &t.name, std::hint::black_box(&bytes))
-                        .map_err(|e| io(&e))?;
+                        .map_err(io)?;
                     Ok(t0.elapsed().as_nanos() as f64 / 1e3)
                 };
                 let (hot_us, cold_us) = hot_and_cold(repeats, gap, once)?;
                 out.push(CheckSample {
-                    tensor: format!("{}/{}/{}", case.name, hop.payload_kind, t.name),
+                    tensor: format!("{case}/{}/{}", hop.payload_kind, t.name),
                     bytes: t.byte_length,
                     hot_us,
                     cold_us,
@@ -1075,22 +1064,11 @@ pub fn measure_packets(
     repeats: usize,
     gap: std::time::Duration,
 ) -> std::io::Result<Vec<PacketSample>> {
-    use omnirig_fixtures::{
-        Digest128, ModelCard, Packet, PayloadKind, ShapeOptions, TensorEntry, golden_cases,
-        plan_request,
-    };
-    let io = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
-    let card = ModelCard::qwen3_omni();
+    use omnirig_fixtures::{Digest128, Packet, TensorEntry};
     let repeats = repeats.max(1);
     let mut out = Vec::new();
-    for case in golden_cases() {
-        let plan =
-            plan_request(&card, &case.request, &ShapeOptions::default()).map_err(|e| io(&e))?;
-        for hop in plan
-            .hops
-            .iter()
-            .filter(|h| h.payload_kind != PayloadKind::KvCache)
-        {
+    for (case, plan) in golden_plans()? {
+        for hop in hops_but_kv(&plan) {
             let entries = hop
                 .tensors
                 .iter()
@@ -1103,13 +1081,13 @@ pub fn measure_packets(
                     transfer_key: None,
                 })
                 .collect();
-            let rid = format!("000-{}", case.name);
+            let rid = format!("000-{case}");
             let bytes = Packet::new(rid, hop.payload_kind, 0, true, entries)
                 .to_msgpack()
-                .map_err(|e| io(&e))?;
+                .map_err(io)?;
             let once = || -> std::io::Result<f64> {
                 let t0 = std::time::Instant::now();
-                let p = Packet::from_msgpack(std::hint::black_box(&bytes)).map_err(|e| io(&e))?;
+                let p = Packet::from_msgpack(std::hint::black_box(&bytes)).map_err(io)?;
                 for t in &hop.tensors {
                     std::hint::black_box(p.entry(&t.name).map(|e| e.digest));
                 }
@@ -1117,7 +1095,7 @@ pub fn measure_packets(
             };
             let (hot_us, cold_us) = hot_and_cold(repeats, gap, once)?;
             out.push(PacketSample {
-                packet: format!("{}/{}", case.name, hop.payload_kind),
+                packet: format!("{case}/{}", hop.payload_kind),
                 entries: hop.tensors.len(),
                 bytes: bytes.len(),
                 hot_us,
@@ -1127,6 +1105,33 @@ pub fn measure_packets(
         }
     }
     Ok(out)
+}
+
+/// Every golden case's plan (default shapes), by case name: what the calibrations time.
+fn golden_plans() -> std::io::Result<Vec<(String, omnirig_fixtures::RequestPlan)>> {
+    use omnirig_fixtures::{ModelCard, ShapeOptions, golden_cases, plan_request};
+    let card = ModelCard::qwen3_omni();
+    golden_cases()
+        .into_iter()
+        .map(|case| {
+            let plan = plan_request(&card, &case.request, &ShapeOptions::default()).map_err(io)?;
+            Ok((case.name, plan))
+        })
+        .collect()
+}
+
+/// A plan's hops but KV (whose check and messages are of their own).
+fn hops_but_kv(
+    plan: &omnirig_fixtures::RequestPlan,
+) -> impl Iterator<Item = &omnirig_fixtures::Hop> {
+    plan.hops
+        .iter()
+        .filter(|h| h.payload_kind != omnirig_fixtures::PayloadKind::KvCache)
+}
+
+/// A calibration's error as an I/O error (what `--calibrate-cpu` reports).
+fn io(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::other(e.to_string())
 }
 
 /// `once` (which times itself, in us) once to warm up, then `repeats` times back to back
