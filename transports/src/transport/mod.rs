@@ -30,6 +30,7 @@ pub mod loopback;
 pub mod rdma;
 pub mod shm;
 pub mod sim;
+mod spare_core;
 pub mod tcp;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

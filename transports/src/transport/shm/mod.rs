@@ -32,6 +32,7 @@ use crate::batch::Liveness;
 use crate::error::{Error, ErrorKind, Result};
 use crate::grant::GrantRef;
 use crate::segment::{Endpoint, SegmentDescriptor};
+use crate::transport::spare_core::spare_core;
 use crate::transport::tcp::frame::{decode_error_body, error_body};
 use crate::transport::{
     Admission, BoxFuture, Counted, Link, LinkInfo, MemoryProvider, OpKind, SliceOp, Slicing,
@@ -283,7 +284,8 @@ async fn read_at_least(
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         }
-        if std::time::Instant::now() < until {
+        // With every core taken, the spin would hold one the peer or other work needs.
+        if std::time::Instant::now() < until && spare_core() {
             if hold {
                 std::thread::yield_now();
             } else {

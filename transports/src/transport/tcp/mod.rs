@@ -27,6 +27,7 @@ use crate::grant::{GrantEntry, GrantRef};
 use crate::memory::Region;
 use crate::segment::Endpoint;
 use crate::segment::SegmentDescriptor;
+use crate::transport::spare_core::spare_core;
 use crate::transport::{
     Admission, BoxFuture, Counted, Link, LinkInfo, OpKind, SliceOp, Slicing, Transport,
     TransportKind, TransportSetup,
@@ -109,14 +110,15 @@ async fn read_ready<T>(
         Spin::Thread(d) => (d, false),
         Spin::Task(d) => (d, true),
     };
-    if !window.is_zero() {
+    if !window.is_zero() && spare_core() {
         let until = std::time::Instant::now() + window;
         loop {
             match attempt() {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 r => return r,
             }
-            if std::time::Instant::now() >= until {
+            // With every core taken, the spin would hold one the peer or other work needs.
+            if std::time::Instant::now() >= until || !spare_core() {
                 break;
             }
             if cooperative {
