@@ -18,7 +18,7 @@
 #                                       qemu-cpu.log (each QEMU process's host CPU, sampled
 #                                       here every 0.2 s), host-cpu.txt (what ib_write_bw's
 #                                       bytes cost this machine's cores, the engine's rate,
-#                                       the wake) and predicted/ (fabrics A, E, W, S from these
+#                                       the wake) and predicted/ (fabrics A, E, W, S, Q from these
 #                                       figures, each scored against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default)
 # Needs what ci/hil-softroce.sh needs. Builds the release binary with --features hil (the
@@ -198,19 +198,23 @@ with open(f"{out}/host-cpu.txt", "w") as w:
               file=w)
 print(open(f"{out}/host-cpu.txt").read(), end="")
 PY
-# The model, from this boot's figures alone: three fabrics, the same placement and the same
-# calibrated `cpu:` costs, differing in the link's rate and in where a byte's copy runs.
+# The model, from this boot's figures alone: five fabrics, the same placement and the same
+# calibrated `cpu:` costs, differing in the link's rate, in where a byte's copy runs and in
+# which measured CPU terms they charge.
 #   A: the link at ib_write_bw's rate, each VM a host of its own (the committed structure);
 #   E: the link at the engine's write-x16 rate (bulk.json), each VM a host of its own;
 #   W: as E, with the wake by time parked (`wake_after`) where the calibration measured it;
 #   S: as E, but both VMs one host of this machine's cores (TCG runs every vCPU on them),
 #      a byte's copy charged on each side at the responder's host CPU per byte during
 #      ib_write_bw (VM 1 sleeps in that test; VM 0's figure includes perftest's busy-poll).
+#   Q: as E, with the whole-tensor check (`check_ns_per_byte`, `check_us`) and the packet's
+#      decode at the fence (`packet_us`, `packet_entry_us`) that VM 0's calibration measured:
+#      tcp's fabric Q less `write_us`, which is a tcp frame's cost (ci/sim-validate-tcp.sh).
 # Each is set against this run's reports (`simulate --measured`) in predicted/.
 python3 - "$out" "$(nproc)" << 'PY' && fabrics=ok || { fabrics=; echo "no fabrics: a figure is missing"; }
 import json, os, re, sys
 sys.path.insert(0, "ci")
-from sim_fabric import cpu_section, wake_after
+from sim_fabric import check, cpu_section, packet, wake_after
 out, cores = sys.argv[1], int(sys.argv[2])
 perf = open(f"{out}/perftest.txt").read()
 def column(tool, name):  # the figure under `name` in the result line after tool's header
@@ -238,10 +242,12 @@ variants = {
     "S": (x16 * 8, responder, True,
           f"link at the engine's write-x16 {x16 * 1e3:.2f} MB/s; copy per side {responder:.3f} ns/B "
           f"(the responder's host CPU during ib_write_bw); both VMs one host of {cores} cores"),
+    "Q": (x16 * 8, 1 / x16, False,
+          f"as E, the whole-tensor check and the packet's decode at their measured costs (VM 0)"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 for name, (gbps, copy, shared, why) in variants.items():
-    if name == "W" and not wake_after(cpu):
+    if (name == "W" and not wake_after(cpu)) or (name == "Q" and not (check(cpu) and packet(cpu))):
         continue
     hosts = (f"    - {{ name: machine, cores: {cores}, nodes: [vm0, vm1] }}\n" if shared else
              "    - { name: vm0, cores: 2, nodes: [vm0] }\n    - { name: vm1, cores: 2, nodes: [vm1] }\n")
@@ -258,11 +264,12 @@ nodes:
   - {{ name: vm1, nics: [{{ name: rxe0, gbps: {link}, latency_us: 1 }}], local: {{ gbps: {link}, latency_us: 1 }} }}
 links: [{{ between: [vm0, vm1], gbps: {link}, latency_us: {lat - 2:.2f} }}]
 placement: {{ encoder: vm0, thinker_prefill: vm1, thinker_decode: vm0, talker: vm1, code2wav: vm0 }}
-""" + cpu_section(cpu, f"{copy:.3f}", hosts, curve=name == "W")
+""" + cpu_section(cpu, f"{copy:.3f}", hosts, curve=name == "W",
+                  checked=name == "Q", packets=name == "Q")
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 PY
 if [[ -n ${fabrics:-} ]] && compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in A E W S; do
+  for f in A E W S Q; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     target/release/omnirig simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${SIM_CONCURRENCY// /,}" \

@@ -5,8 +5,8 @@
 //! spin, 20 us without). That holds while the machine has a core to spare. When every core
 //! is taken and threads wait for one, the spinner takes a core from the very thread it is
 //! waiting for, or from the work of another stage: on two cores with the five-stage pipeline
-//! at concurrency 4, the encoder's 5 MiB transfer took 10-15 ms spinning and 3-4 ms parking
-//! (docs/sim.md, "The engine's busy-poll under load").
+//! at concurrency 4, the encoder's 5 MiB transfer took 7.5-11 ms spinning and 2.4-4.8 ms
+//! gated (docs/benchmarks.md, "Polling only with a core to spare").
 //!
 //! So a spin goes on only while the kernel's count of runnable threads (`/proc/loadavg`'s
 //! fourth field, running ones included, so the spinner itself too) is at most the cores this
