@@ -20,8 +20,8 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// How long one reading of the count stands. A reading is one `pread` of a few dozen bytes
-/// (a few us); a spin lasts 50 us to 1 ms and checks on every attempt.
+/// How long one reading of the count stands. A reading is one `pread` of a few dozen bytes;
+/// a spin lasts 50 us to 1 ms and checks on every attempt, so most checks are an atomic load.
 const FRESH: Duration = Duration::from_micros(200);
 
 struct Gauge {

@@ -99,8 +99,8 @@ enum Spin {
 
 /// Runs `attempt` (one non-blocking read) until it does not report WouldBlock: first by
 /// busy-polling (see [`Spin`]), the way RDMA engines poll completion queues (waking a
-/// parked thread costs far more than a short spin, above all on virtual CPUs), then by
-/// parking on the reactor.
+/// parked thread costs far more than a short spin, above all on virtual CPUs), while a core
+/// is spare ([`spare_core`]), then by parking on the reactor.
 async fn read_ready<T>(
     stream: &TcpStream,
     spin: Spin,
