@@ -40,7 +40,7 @@ fn gauge() -> Option<&'static Gauge> {
             let loadavg = File::open("/proc/loadavg").ok()?;
             let cores = std::thread::available_parallelism().ok()?.get();
             // Only a file that reads as a count is used.
-            runnable(&read(&loadavg)?)?;
+            runnable_now(&loadavg)?;
             Some(Gauge {
                 loadavg,
                 cores,
@@ -52,10 +52,11 @@ fn gauge() -> Option<&'static Gauge> {
         .as_ref()
 }
 
-fn read(f: &File) -> Option<String> {
+/// The runnable count in `f` (`/proc/loadavg`) now: one `pread`, parsed in place.
+fn runnable_now(f: &File) -> Option<usize> {
     let mut b = [0u8; 128];
     let n = f.read_at(&mut b, 0).ok()?;
-    String::from_utf8(b[..n].to_vec()).ok()
+    runnable(std::str::from_utf8(&b[..n]).ok()?)
 }
 
 /// Runnable threads in a `/proc/loadavg` line (`0.52 0.58 0.59 3/1234 5678`: 3).
@@ -91,9 +92,7 @@ pub(crate) fn spare_core() -> bool {
     {
         return g.spare.load(Ordering::Relaxed);
     }
-    let verdict = read(&g.loadavg)
-        .and_then(|l| runnable(&l))
-        .is_none_or(|r| spare(r, g.cores));
+    let verdict = runnable_now(&g.loadavg).is_none_or(|r| spare(r, g.cores));
     g.spare.store(verdict, Ordering::Relaxed);
     verdict
 }
