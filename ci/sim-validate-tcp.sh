@@ -13,7 +13,9 @@
 #
 #   ci/sim-validate-tcp.sh [OUT]   OUT (default $TMPDIR/omnirig-sim-tcp) gets link.json,
 #                                  cal/cpu.yaml, cal/cpu-calibration.json, m-cC-I/report.json,
-#                                  load.txt (the load average around each step) and predicted/
+#                                  load.txt (the load average around each step), link-after.json
+#                                  and drift.txt (the link measured again after the runs, against
+#                                  before: how far the host moved meanwhile) and predicted/
 #                                  (fabrics T, W, E, C, K, L, P and Q from these figures, each
 #                                  scored against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default), ROUNDS=16 (default: each run's requests,
@@ -53,8 +55,9 @@ echo "calibration: $((SECONDS - t)) s"
 "$exe" simulate --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \
   --rounds "$rounds" --scenarios-out "$out/scenarios" > /dev/null
 rc=0
-for c in $conc; do
-  for i in $(seq "$repeats"); do
+# The concurrencies take turns, so a host that slows mid-window slows both alike.
+for i in $(seq "$repeats"); do
+  for c in $conc; do
     t=$SECONDS
     "$exe" run "$out/scenarios/scenario-c$c.yaml" --processes --transport tcp -q \
       --report "$out/m-c$c-$i" > "$out/run-c$c-$i.log" 2>&1 || rc=1
@@ -62,6 +65,23 @@ for c in $conc; do
     echo "c$c run $i: $((SECONDS - t)) s, $(grep -m1 'requests ok' "$out/run-c$c-$i.log" || echo failed)"
   done
 done
+
+# The link once more after the runs (4 s): the fabric is built from the figures before them,
+# so a window whose host changed speed meanwhile says so (drift.txt).
+"$exe" bench transfer --transport tcp --runtime multi --sizes 4K,16M --json "$out/link-after.json" \
+  > "$out/link-after.log" 2>&1 || { echo "the link's second bench failed:"; tail "$out/link-after.log"; exit 1; }
+load "link after"
+python3 - "$out" << 'PY2' | tee "$out/drift.txt"
+import json, sys
+out = sys.argv[1]
+def fig(name):
+    rows = json.load(open(f"{out}/{name}"))["rows"]
+    f = lambda op, size: next(r["omnirig"] for r in rows if r["op"] == op and r["size"] == size)
+    return f("write", 4096)["p50_us"], f("write", 16 << 20)["gbps"]
+(r0, g0), (r1, g1) = fig("link.json"), fig("link-after.json")
+print(f"drift over the runs: 4 KiB round trip {r0:.1f} -> {r1:.1f} us ({(r1 - r0) / r0:+.0%}), "
+      f"16 MiB writes {g0:.3f} -> {g1:.3f} GB/s ({(g1 - g0) / g0:+.0%})")
+PY2
 
 # The model, from this window's figures alone: eight fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
