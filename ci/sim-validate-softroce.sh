@@ -106,8 +106,9 @@ softroce_barrier cluster || exit 1
 agent=$!
 rc=0
 if [ "$SOFTROCE_NODE" = 0 ]; then
-  for c in $SIM_CONCURRENCY; do
-    for i in $(seq "$SIM_REPEATS"); do
+  # the concurrencies take turns, so a host that slows mid-boot slows both alike
+  for i in $(seq "$SIM_REPEATS"); do
+    for c in $SIM_CONCURRENCY; do
       t=$SECONDS
       "$exe" run --cluster "$out/cluster.yaml" "$out/scenarios/scenario-c$c.yaml" --transport rdma -q \
         --report "$out/m-c$c-$i" > "$out/run-c$c-$i.log" 2>&1 || rc=1
