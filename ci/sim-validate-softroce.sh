@@ -18,8 +18,10 @@
 #                                       qemu-cpu.log (each QEMU process's host CPU, sampled
 #                                       here every 0.2 s), host-cpu.txt (what ib_write_bw's
 #                                       bytes cost this machine's cores, the engine's rate,
-#                                       the wake) and predicted/ (fabrics A, E, W, S, Q from these
-#                                       figures, each scored against the reports)
+#                                       the wake), bulk-after.json and drift.txt (the engine's
+#                                       bulk rate again after the runs, against before) and
+#                                       predicted/ (fabrics A, E, W, S, Q from these figures,
+#                                       each scored against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default)
 # Needs what ci/hil-softroce.sh needs. Builds the release binary with --features hil (the
 # stages' generation and digests run under TCG: a debug build would measure the build).
@@ -115,11 +117,19 @@ if [ "$SOFTROCE_NODE" = 0 ]; then
       echo "c$c run $i: $((SECONDS - t)) s, $(grep -m1 'requests ok' "$out/run-c$c-$i.log")"
     done
   done
+  kill "$agent" 2> /dev/null
   touch "$R/done"
+  # the engine's bulk rate once more after the runs: the fabrics are built from the figures
+  # before them, so a boot whose host moved meanwhile says so (drift.txt)
+  "$exe" bench transfer --transport rdma --peer 10.77.0.2:18950 --peer-wait-s 120 --sizes 1M \
+    --min-iters 16 --max-iters 16 --budget 16M --perftest-seconds 2 --rounds 1 \
+    --json "$out/bulk-after.json" >> "$out/bulk-after.log" 2>&1 || echo "second bulk bench failed"
 else
   for _ in $(seq 3000); do [ -e "$R/done" ] && break; sleep 1; done
+  kill "$agent" 2> /dev/null
+  "$exe" bench peer --mode rdma-engine --listen 10.77.0.2:18950 --max-size 16M --wait-s 120 \
+    >> "$out/bulk-peer.log" 2>&1 || echo "second bulk peer failed"
 fi
-kill "$agent" 2> /dev/null
 exit "$rc"
 EOF
 # Both VMs' vCPUs run on this machine's cores (TCG): sample each QEMU process's CPU time
@@ -197,6 +207,16 @@ with open(f"{out}/host-cpu.txt", "w") as w:
         print(f"rdma 4 KiB write VM 0 -> VM 1, p50 us: back to back {[round(x, 1) for x in hot]}, after 10 ms {[round(x, 1) for x in cold]}; "
               f"medians {h:.1f} and {c:.1f}: wake_us {(c - h) / 2:.1f} (half: a cold write wakes both ends)",
               file=w)
+    try:
+        after = {r["op"]: r["omnirig"]["gbps"] * 1e3 for r in json.load(open(f"{out}/bulk-after.json"))["rows"]
+                 if r["size"] == 1 << 20}
+        with open(f"{out}/drift.txt", "w") as d:
+            print(f"drift over the runs: the engine's write-x16 {x16:.2f} -> {after['write-x16']:.2f} MB/s "
+                  f"({(after['write-x16'] - x16) / x16:+.0%}), write {fig['write']:.2f} -> {after['write']:.2f} "
+                  f"({(after['write'] - fig['write']) / fig['write']:+.0%})", file=d)
+        print(open(f"{out}/drift.txt").read(), end="", file=w)
+    except Exception as e:  # noqa: BLE001
+        print(f"no drift figure: {e}", file=w)
 print(open(f"{out}/host-cpu.txt").read(), end="")
 PY
 # The model, from this boot's figures alone: five fabrics, the same placement and the same
