@@ -190,9 +190,12 @@ with open(f"{out}/host-cpu.txt", "w") as w:
     p50 = lambda f: next(r["omnirig"]["p50_us"] for r in json.load(open(f))["rows"] if r["op"] == "write")
     hot = [p50(f) for f in sorted(glob.glob(f"{out}/wake-gap0-*.json"))]
     cold = [p50(f) for f in sorted(glob.glob(f"{out}/wake-gap10000-*.json"))]
+    # the engine's 1 MiB rates of a bulk bench (MB/s by op) and its rows
+    def rates(name):
+        rows = json.load(open(f"{out}/{name}"))["rows"]
+        return {r["op"]: r["omnirig"]["gbps"] * 1e3 for r in rows if r["size"] == 1 << 20}, rows
     try:
-        rows_ = json.load(open(f"{out}/bulk.json"))["rows"]
-        fig = {r["op"]: r["omnirig"]["gbps"] * 1e3 for r in rows_ if r["size"] == 1 << 20}
+        fig, rows_ = rates("bulk.json")
         base = next((r["baseline"]["gbps"] * 1e3 for r in rows_ if r["op"] == "write-x16"), None)
         print("engine rdma 1 MiB writes VM 0 -> VM 1, MB/s: "
               + ", ".join(f"{k} {v:.2f}" for k, v in fig.items())
@@ -208,8 +211,7 @@ with open(f"{out}/host-cpu.txt", "w") as w:
               f"medians {h:.1f} and {c:.1f}: wake_us {(c - h) / 2:.1f} (half: a cold write wakes both ends)",
               file=w)
     try:
-        after = {r["op"]: r["omnirig"]["gbps"] * 1e3 for r in json.load(open(f"{out}/bulk-after.json"))["rows"]
-                 if r["size"] == 1 << 20}
+        after, _ = rates("bulk-after.json")
         with open(f"{out}/drift.txt", "w") as d:
             print(f"drift over the runs: the engine's write-x16 {x16:.2f} -> {after['write-x16']:.2f} MB/s "
                   f"({(after['write-x16'] - x16) / x16:+.0%}), write {fig['write']:.2f} -> {after['write']:.2f} "
