@@ -15,9 +15,10 @@
 #                                  cal/cpu.yaml, cal/cpu-calibration.json, m-cC-I/report.json,
 #                                  load.txt (the load average around each step), link-after.json
 #                                  and drift.txt (the link measured again after the runs, against
-#                                  before: how far the host moved meanwhile) and predicted/
-#                                  (fabrics T, W, E, C, K, L, P and Q from these figures, each
-#                                  scored against the reports)
+#                                  before: how far the host moved meanwhile), cal-after/ (the
+#                                  calibration again after the runs) and predicted/ (fabrics T,
+#                                  W, E, C, K, L, P, Q and R from these figures, each scored
+#                                  against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default), ROUNDS=16 (default: each run's requests,
 #   the scenario's three repeated until at least ROUNDS times the concurrency, 18 at 1 and 66
 #   at 4; with 6 and 18, a run's p50 moved by up to 51% between one window's runs),
@@ -76,6 +77,16 @@ if ! "$exe" bench transfer --transport tcp --runtime multi --sizes 4K,16M \
 else
   load "link after"
 fi
+# And the calibration once more: fabric R is built from the mean of the figures measured on
+# both sides of the runs.
+if ! "$exe" simulate --calibrate-cpu --out "$out/cal-after" > "$out/calibrate-after.log" 2>&1; then
+  echo "the second calibration failed (no fabric R; the others are still scored):"
+  tail "$out/calibrate-after.log"
+  rm -rf "$out/cal-after"
+  rc=1
+else
+  load "calibration after"
+fi
 
 # The model, from this window's figures alone: eight fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
@@ -98,10 +109,13 @@ fi
 #      an engine's 32 writes of 4 KiB in one transfer against one write);
 #   Q: as P, the packet connector's consumer decoding the packet at the fence (`packet_us`,
 #      `packet_entry_us`: msgpack and its entries, timed after a 10 ms pause).
+#   R: as Q, every figure (the link's and the calibration's) the mean of the two measured
+#      before the runs and the two after them (link-after.json, cal-after/): a host whose
+#      speed drifts over the window is met halfway.
 python3 - "$out" "$(nproc)" << 'PY'
 import json, os, re, sys
 sys.path.insert(0, "ci")
-from sim_fabric import check, cpu_section, packet, per_write, wake_after
+from sim_fabric import check, cpu_section, mean_calibration, packet, per_write, wake_after
 out, cores = sys.argv[1], int(sys.argv[2])
 def link(name):  # a link bench's 4 KiB write round trip (us) and 16 MiB write rate (GB/s)
     rows = json.load(open(f"{out}/{name}"))["rows"]
@@ -114,36 +128,49 @@ if os.path.exists(f"{out}/link-after.json"):  # the link again after the runs: d
              f"16 MiB writes {gbs:.3f} -> {g1:.3f} GB/s ({(g1 - gbs) / gbs:+.0%})")
     open(f"{out}/drift.txt", "w").write(drift + "\n")
     print(drift)
-cpu = open(f"{out}/cal/cpu.yaml").read()
-one_way = rtt / 2
-switch = max(one_way - 4, 0)  # 2 us in each process's socket, the rest in the loopback
-copy = float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
-# name: (copy ns/B, wake by time parked, measured check, loopback capacity factor, each
-# write's cost, a packet's decode, why)
+# The figures a fabric is built from: those measured before the runs, and where the link and
+# the calibration were measured again after them, the mean of both.
+sources = {"before": (rtt, gbs, open(f"{out}/cal/cpu.yaml").read(),
+                      "link.json", "cal/cpu.yaml")}
+if os.path.exists(f"{out}/link-after.json") and os.path.exists(f"{out}/cal-after/cpu.yaml"):
+    sources["both"] = ((rtt + r1) / 2, (gbs + g1) / 2,
+                       mean_calibration(sources["before"][2], open(f"{out}/cal-after/cpu.yaml").read()),
+                       "the mean of link.json and link-after.json",
+                       "the mean of cal/cpu.yaml and cal-after/cpu.yaml")
+copy_of = lambda cpu: float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
+# name: (figures, copy ns/B (None: the calibration's), wake by time parked, measured check,
+# loopback capacity factor, each write's cost, a packet's decode, why)
 scale = max(1, cores // 4)
 variants = {
-    "T": (copy, False, False, 1, False, False, f"copy at one socket stream's wall time ({copy} ns/B), one wake"),
-    "W": (copy, True, False, 1, False, False, f"as T, the wake by time parked (wake_after)"),
-    "E": (1 / gbs, False, False, 1, False, False, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
-    "C": (copy, False, True, 1, False, False, f"as T, a whole tensor's check at the stubs' measured check"),
-    "K": (copy, True, True, 1, False, False, f"as W, with the measured check"),
-    "L": (copy, True, True, scale, False, False, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
-    "P": (copy, True, True, scale, True, False, f"as L, each write beyond a transfer's first at its measured cost"),
-    "Q": (copy, True, True, scale, True, True, f"as P, a packet's decode at the fence at its measured cost"),
+    "T": ("before", None, False, False, 1, False, False, f"copy at one socket stream's wall time, one wake"),
+    "W": ("before", None, True, False, 1, False, False, f"as T, the wake by time parked (wake_after)"),
+    "E": ("before", 1 / gbs, False, False, 1, False, False, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "C": ("before", None, False, True, 1, False, False, f"as T, a whole tensor's check at the stubs' measured check"),
+    "K": ("before", None, True, True, 1, False, False, f"as W, with the measured check"),
+    "L": ("before", None, True, True, scale, False, False, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
+    "P": ("before", None, True, True, scale, True, False, f"as L, each write beyond a transfer's first at its measured cost"),
+    "Q": ("before", None, True, True, scale, True, True, f"as P, a packet's decode at the fence at its measured cost"),
+    "R": ("both", None, True, True, scale, True, True, f"as Q, every figure the mean of those measured before and after the runs"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
-for name, (copy, curve, checked, scale, writes, packets, why) in variants.items():
-    link = f"{gbs * 8 * scale:.3f}"
+for name, (figures, copy, curve, checked, scale, writes, packets, why) in variants.items():
+    if figures not in sources:
+        continue
+    rtt_f, gbs_f, cpu, link_from, cpu_from = sources[figures]
+    copy = copy_of(cpu) if copy is None else copy
+    switch = max(rtt_f / 2 - 4, 0)  # one way: 2 us in each process's socket, the rest in the loopback
+    link = f"{gbs_f * 8 * scale:.3f}"
     if ((curve and not wake_after(cpu)) or (checked and not check(cpu))
             or (writes and not per_write(cpu)) or (packets and not packet(cpu))):
         continue
     nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {link}, latency_us: 2 }}], "
                     f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
     text = f"""# Fabric {name}, written by ci/sim-validate-tcp.sh from this window's figures: {why}.
-# The engine's tcp link (link.json): a 4 KiB write's round trip p50 {rtt:.1f} us, 16 MiB writes
-# {gbs:.3f} GB/s. `cpu:` from `omnirig simulate --calibrate-cpu` (cal/cpu.yaml). The engine's
-# tcp defaults: 512 KiB slices, 4 streams.
+# The engine's tcp link ({link_from}):
+# a 4 KiB write's round trip p50 {rtt_f:.1f} us, 16 MiB writes {gbs_f:.3f} GB/s.
+# `cpu:` from `omnirig simulate --calibrate-cpu` ({cpu_from}),
+# a byte's copy at {copy:.4f} ns. The engine's tcp defaults: 512 KiB slices, 4 streams.
 slice_bytes: 524288
 in_flight: 4
 seed: 1
@@ -157,7 +184,7 @@ placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E C K L P Q; do
+  for f in T W E C K L P Q R; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \

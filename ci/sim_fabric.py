@@ -46,3 +46,36 @@ def cpu_section(cal, copy, hosts, curve=False, checked=False, writes=False, pack
 {check(cal) if checked else ""}  wake_us: {val("wake_us")}
 {wake_after(cal) if curve else ""}  hosts:
 {hosts}"""
+
+
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
+
+
+def mean_calibration(before, after):
+    """Calibration text whose every figure is the mean of `before`'s and `after`'s (two
+    calibrations of one binary around a window's runs, so a host that changed speed
+    meanwhile is met halfway). Comments are `before`'s; the two must have the same lines
+    apart from their figures, or this raises ValueError naming the first that differs."""
+    b, a = before.splitlines(), after.splitlines()
+    if len(b) != len(a):
+        raise ValueError(f"the calibrations have {len(b)} and {len(a)} lines")
+    out = []
+    for x, y in zip(b, a):
+        if x.lstrip().startswith("#"):
+            out.append(x)
+            continue
+        if _NUMBER.sub("N", x) != _NUMBER.sub("N", y):
+            raise ValueError(f"the calibrations differ beyond their figures: {x!r}, {y!r}")
+        ys = iter(_NUMBER.findall(y))
+
+        def mean(m):
+            u, v = m.group(0), next(ys)
+            if "." not in u and "." not in v:
+                if u != v:  # counts (cores, nodes) are the host's, not a speed
+                    raise ValueError(f"the calibrations differ in a count: {x!r}, {y!r}")
+                return u
+            places = max(len(u.partition(".")[2]), len(v.partition(".")[2]))
+            return f"{(float(u) + float(v)) / 2:.{places}f}"
+
+        out.append(_NUMBER.sub(mean, x))
+    return "\n".join(out) + ("\n" if before.endswith("\n") else "")
