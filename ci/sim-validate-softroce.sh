@@ -19,9 +19,10 @@
 #                                       here every 0.2 s), host-cpu.txt (what ib_write_bw's
 #                                       bytes cost this machine's cores, the engine's rate,
 #                                       the wake), bulk-after.json and drift.txt (the engine's
-#                                       bulk rate again after the runs, against before) and
-#                                       predicted/ (fabrics A, E, W, S, Q from these figures,
-#                                       each scored against the reports)
+#                                       bulk rate again after the runs, against before),
+#                                       cal-after/ (VM 0's calibration again after the runs)
+#                                       and predicted/ (fabrics A, E, W, S, Q and R from these
+#                                       figures, each scored against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default)
 # Needs what ci/hil-softroce.sh needs. Builds the release binary with --features hil (the
 # stages' generation and digests run under TCG: a debug build would measure the build).
@@ -124,6 +125,9 @@ if [ "$SOFTROCE_NODE" = 0 ]; then
   "$exe" bench transfer --transport rdma --peer 10.77.0.2:18950 --peer-wait-s 120 --sizes 1M \
     --min-iters 16 --max-iters 16 --budget 16M --perftest-seconds 2 --rounds 1 \
     --json "$out/bulk-after.json" >> "$out/bulk-after.log" 2>&1 || echo "second bulk bench failed"
+  # and the calibration: fabric R is built from the mean of both sides of the runs
+  "$exe" simulate --calibrate-cpu --calibrate-mib 16 --out "$out/cal-after" > "$out/calibrate-after.log" 2>&1 \
+    || { echo "second calibration failed"; tail "$out/calibrate-after.log"; rm -rf "$out/cal-after"; }
 else
   for _ in $(seq 3000); do [ -e "$R/done" ] && break; sleep 1; done
   kill "$agent" 2> /dev/null
@@ -233,11 +237,14 @@ PY
 #   Q: as E, with the whole-tensor check (`check_ns_per_byte`, `check_us`) and the packet's
 #      decode at the fence (`packet_us`, `packet_entry_us`) that VM 0's calibration measured:
 #      tcp's fabric Q less `write_us`, which is a tcp frame's cost (ci/sim-validate-tcp.sh).
+#   R: as Q, the engine's write-x16 rate and every calibrated cost the mean of those measured
+#      before and after the runs (bulk-after.json, cal-after/): a host whose speed drifts
+#      over the boot is met halfway.
 # Each is set against this run's reports (`simulate --measured`) in predicted/.
 python3 - "$out" "$(nproc)" << 'PY' && fabrics=ok || { fabrics=; echo "no fabrics: a figure is missing"; }
 import json, os, re, sys
 sys.path.insert(0, "ci")
-from sim_fabric import check, cpu_section, packet, wake_after
+from sim_fabric import check, cpu_section, mean_calibration, packet, wake_after
 out, cores = sys.argv[1], int(sys.argv[2])
 perf = open(f"{out}/perftest.txt").read()
 def column(tool, name):  # the figure under `name` in the result line after tool's header
@@ -255,6 +262,14 @@ host = open(f"{out}/host-cpu.txt").read()
 responder = float(re.search(r"VM 1 \(responder\) ([0-9.]+)", host).group(1))
 cpu = open(f"{out}/cal/cpu.yaml").read()
 bw_gbps = bw_mib * 1048576 * 8 / 1e9
+# the figures of fabric R: the write-x16 rate and the calibration, each the mean of before
+# and after the runs, where both were measured again
+both = None
+if os.path.exists(f"{out}/bulk-after.json") and os.path.exists(f"{out}/cal-after/cpu.yaml"):
+    rows_after = json.load(open(f"{out}/bulk-after.json"))["rows"]
+    x16_after = next((r["omnirig"]["gbps"] for r in rows_after if r["op"] == "write-x16"), None)
+    if x16_after:
+        both = ((x16 + x16_after) / 2, mean_calibration(cpu, open(f"{out}/cal-after/cpu.yaml").read()))
 variants = {
     "A": (bw_gbps, 1e9 / (bw_mib * 1048576), False,
           f"link at ib_write_bw's {bw_mib:.2f} MiB/s; copy per side at that rate; a host per VM"),
@@ -268,17 +283,24 @@ variants = {
     "Q": (x16 * 8, 1 / x16, False,
           f"as E, the whole-tensor check and the packet's decode at their measured costs (VM 0)"),
 }
+if both:
+    variants["R"] = (both[0] * 8, 1 / both[0], False,
+                     f"as Q, the write-x16 rate ({both[0] * 1e3:.2f} MB/s) and the calibration the mean "
+                     f"of before and after the runs")
 os.makedirs(f"{out}/predicted", exist_ok=True)
 for name, (gbps, copy, shared, why) in variants.items():
-    if (name == "W" and not wake_after(cpu)) or (name == "Q" and not (check(cpu) and packet(cpu))):
+    cal = both[1] if name == "R" else cpu
+    cal_from = "the mean of cal/cpu.yaml and cal-after/cpu.yaml" if name == "R" else "cal/cpu.yaml"
+    measured = name in ("Q", "R")
+    if (name == "W" and not wake_after(cal)) or (measured and not (check(cal) and packet(cal))):
         continue
     hosts = (f"    - {{ name: machine, cores: {cores}, nodes: [vm0, vm1] }}\n" if shared else
              "    - { name: vm0, cores: 2, nodes: [vm0] }\n    - { name: vm1, cores: 2, nodes: [vm1] }\n")
     link = f"{gbps:.4f}"
     text = f"""# Fabric {name}, written by ci/sim-validate-softroce.sh from this boot's figures: {why}.
-# ib_write_lat t_typical {lat:.2f} us one way, less 1 us in each rxe device. `cpu:` from
-# `omnirig simulate --calibrate-cpu` in VM 0 (cal/cpu.yaml). The engine's rdma defaults:
-# 4 MiB slices, two in flight.
+# ib_write_lat t_typical {lat:.2f} us one way, less 1 us in each rxe device.
+# `cpu:` from `omnirig simulate --calibrate-cpu` in VM 0 ({cal_from}).
+# The engine's rdma defaults: 4 MiB slices, two in flight.
 slice_bytes: 4194304
 in_flight: 2
 seed: 1
@@ -287,12 +309,12 @@ nodes:
   - {{ name: vm1, nics: [{{ name: rxe0, gbps: {link}, latency_us: 1 }}], local: {{ gbps: {link}, latency_us: 1 }} }}
 links: [{{ between: [vm0, vm1], gbps: {link}, latency_us: {lat - 2:.2f} }}]
 placement: {{ encoder: vm0, thinker_prefill: vm1, thinker_decode: vm0, talker: vm1, code2wav: vm0 }}
-""" + cpu_section(cpu, f"{copy:.3f}", hosts, curve=name == "W",
-                  checked=name == "Q", packets=name == "Q")
+""" + cpu_section(cal, f"{copy:.3f}", hosts, curve=name == "W",
+                  checked=measured, packets=measured)
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 PY
 if [[ -n ${fabrics:-} ]] && compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in A E W S Q; do
+  for f in A E W S Q R; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     target/release/omnirig simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${SIM_CONCURRENCY// /,}" \
