@@ -256,8 +256,10 @@ def column(tool, name):  # the figure under `name` in the result line after tool
     return float(lines[i + 1].split()[head.index(name)])
 bw_mib = column("ib_write_bw", "BW average[MB/sec]")
 lat = column("ib_write_lat", "t_typical[usec]")
-rows = json.load(open(f"{out}/bulk.json"))["rows"]
-x16 = next(r["omnirig"]["gbps"] for r in rows if r["op"] == "write-x16")  # GB/s
+def write_x16(name):  # the engine's write-x16 rate in a bulk bench, GB/s (None: not there)
+    rows = json.load(open(f"{out}/{name}"))["rows"]
+    return next((r["omnirig"]["gbps"] for r in rows if r["op"] == "write-x16"), None)
+x16 = write_x16("bulk.json")
 host = open(f"{out}/host-cpu.txt").read()
 responder = float(re.search(r"VM 1 \(responder\) ([0-9.]+)", host).group(1))
 cpu = open(f"{out}/cal/cpu.yaml").read()
@@ -266,8 +268,7 @@ bw_gbps = bw_mib * 1048576 * 8 / 1e9
 # and after the runs, where both were measured again
 both = None
 if os.path.exists(f"{out}/bulk-after.json") and os.path.exists(f"{out}/cal-after/cpu.yaml"):
-    rows_after = json.load(open(f"{out}/bulk-after.json"))["rows"]
-    x16_after = next((r["omnirig"]["gbps"] for r in rows_after if r["op"] == "write-x16"), None)
+    x16_after = write_x16("bulk-after.json")
     try:
         if x16_after:
             both = ((x16 + x16_after) / 2, mean_calibration(cpu, open(f"{out}/cal-after/cpu.yaml").read()))

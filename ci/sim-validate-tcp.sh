@@ -163,11 +163,11 @@ for name, (figures, copy, curve, checked, scale, writes, packets, why) in varian
     rtt_f, gbs_f, cpu, link_from, cpu_from = sources[figures]
     copy = copy_of(cpu) if copy is None else copy
     switch = max(rtt_f / 2 - 4, 0)  # one way: 2 us in each process's socket, the rest in the loopback
-    link = f"{gbs_f * 8 * scale:.3f}"
+    gbps = f"{gbs_f * 8 * scale:.3f}"  # the loopback's NICs and switch
     if ((curve and not wake_after(cpu)) or (checked and not check(cpu))
             or (writes and not per_write(cpu)) or (packets and not packet(cpu))):
         continue
-    nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {link}, latency_us: 2 }}], "
+    nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {gbps}, latency_us: 2 }}], "
                     f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
     text = f"""# Fabric {name}, written by ci/sim-validate-tcp.sh from this window's figures: {why}.
 # The engine's tcp link ({link_from}):
@@ -178,7 +178,7 @@ slice_bytes: 524288
 in_flight: 4
 seed: 1
 nodes:
-{nodes}switch: {{ gbps: {link}, latency_us: {switch:.2f} }}
+{nodes}switch: {{ gbps: {gbps}, latency_us: {switch:.2f} }}
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 """ + cpu_section(cpu, f"{copy:.4f}",
                   f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve,
