@@ -169,6 +169,35 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
     assert_eq!(json["predictions"][0]["ok"], 3);
     assert!(!json["comparison"].as_array().unwrap().is_empty());
     assert!(out.join("predicted_vs_measured.svg").exists());
+    // By payload size: every hop's transfers of each size, which add up to the hop's; the
+    // measured run ran the same requests, so each size has as many transfers on both sides.
+    let sizes = json["predictions"][0]["sizes"].as_array().unwrap();
+    let kv: u64 = sizes
+        .iter()
+        .filter(|s| s["hop"] == "kv_cache")
+        .map(|s| s["transfers"].as_u64().unwrap())
+        .sum();
+    assert_eq!(kv, 3, "{sizes:?}");
+    let md = std::fs::read_to_string(out.join("simulate.md")).unwrap();
+    let rows: Vec<&str> = md
+        .split("By payload size")
+        .nth(1)
+        .expect("a table by payload size")
+        .lines()
+        .skip_while(|l| !l.starts_with("|---"))
+        .skip(1)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    assert_eq!(rows.len(), sizes.len(), "{md}");
+    for r in rows {
+        let (predicted, measured) = r.split('|').nth(4).unwrap().split_once('/').unwrap();
+        assert_eq!(predicted.trim(), measured.trim(), "{r}");
+    }
+    assert!(
+        md.trim_end()
+            .ends_with("figures within 20% of the measured median."),
+        "{md}"
+    );
     // The answer's plots: every hop and end to end against concurrency, and the busiest
     // queue's utilisation.
     let latency = std::fs::read_to_string(out.join("latency_vs_concurrency.svg")).unwrap();

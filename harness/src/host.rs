@@ -5,8 +5,9 @@
 //! arrives) but on a paused clock, where that work takes no time. Measured runs spend most
 //! of their time there, so the scale model charges it: each piece of work is a job of
 //! `bytes x ns_per_byte` on the host its stage sits on, and a host runs its jobs under
-//! processor sharing (n jobs on c cores each progress at min(1, c/n)), so stages placed on
-//! one machine slow each other down as they do for real.
+//! processor sharing (n jobs on c cores each progress at min(1, c/n), a job on several
+//! threads getting a share per thread), so stages placed on one machine slow each other down
+//! as they do for real.
 //!
 //! The costs live here, not in the engine: which work a stage does is the harness's
 //! business (`transports/` knows nothing of stages).
@@ -59,6 +60,15 @@ pub struct CpuSpec {
     /// request, where it comes to milliseconds (docs/sim.md).
     #[serde(default)]
     pub write_us: f64,
+    /// Threads a transfer's copies run on, on each side, when it has that many writes: the
+    /// engine's streams, which run on the process's runtime workers. When the cores are
+    /// contended a transfer gets this many shares of them, as Linux shares cores by thread
+    /// (docs/sim.md). 1 (the default): a transfer's copy weighs as much as any other job.
+    #[serde(
+        default = "default_transfer_threads",
+        skip_serializing_if = "is_default_transfer_threads"
+    )]
+    pub transfer_threads: u32,
     /// The packet connector's consumer decoding and checking the packet when the grants are
     /// fenced (msgpack, its version, request and entries' dtypes, shapes and digests), before
     /// any tensor's check: per handoff, plus `packet_entry_us` per entry. A consumer that
@@ -111,6 +121,17 @@ fn default_park_us() -> f64 {
     50.0
 }
 
+fn default_transfer_threads() -> u32 {
+    1
+}
+
+fn is_default_transfer_threads(n: &u32) -> bool {
+    *n == default_transfer_threads()
+}
+
+/// Most threads a transfer's copy may be modelled on.
+pub const MAX_TRANSFER_THREADS: u32 = 64;
+
 /// One point of [`CpuSpec::wake_after`]: the wake of a process parked for `idle_us`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -130,6 +151,7 @@ impl Default for CpuSpec {
             copy_ns_per_byte: 0.0,
             message_us: 0.0,
             write_us: 0.0,
+            transfer_threads: default_transfer_threads(),
             packet_us: 0.0,
             packet_entry_us: 0.0,
             kv_check_ns_per_byte: None,
@@ -175,6 +197,12 @@ impl CpuSpec {
             if !(v.is_finite() && (0.0..=max).contains(&v)) {
                 return Err(format!("cpu.{field}: {v} is not in [0, {max:e}]"));
             }
+        }
+        if !(1..=MAX_TRANSFER_THREADS).contains(&self.transfer_threads) {
+            return Err(format!(
+                "cpu.transfer_threads: {} is not in 1..={MAX_TRANSFER_THREADS}",
+                self.transfer_threads
+            ));
         }
         if self.wake_after.len() > MAX_WAKE_POINTS {
             return Err(format!(
@@ -294,10 +322,13 @@ impl CpuSpec {
 
 /// One machine's cores, shared by the jobs running on it (processor sharing).
 ///
-/// Every job progresses at the same rate, min(1, cores / jobs), so the host keeps one
-/// "work done per job" counter `v` and each job finishes when `v` reaches its start value
-/// plus its work; the order of finishing is the order of those targets. Times are tokio's
-/// (the sim runner's clock, scaled), so the model needs no clock of its own.
+/// A job runs on one thread unless it says more ([`run_on`](Self::run_on)). Linux shares
+/// the cores by thread, not by job, so a job gets a share per thread: each job progresses
+/// at min(1, threads x s), where the share `s` is the one that hands out every core (or 1
+/// when there are cores to spare). A job never runs faster than alone (rate 1): its work
+/// is what it took alone. With every job on one thread this is min(1, cores / jobs).
+/// Times are tokio's (the sim runner's clock, scaled), so the model needs no clock of its
+/// own.
 #[derive(Debug)]
 pub struct Host {
     name: String,
@@ -308,31 +339,79 @@ pub struct Host {
 }
 
 #[derive(Debug)]
+struct Job {
+    id: u64,
+    /// Work (tokio ns) still to do.
+    left: f64,
+    threads: u32,
+    /// Its progress per tokio ns, as of the last change of the job set.
+    rate: f64,
+}
+
+#[derive(Debug)]
 struct HostState {
-    /// Work (tokio ns) every running job has done since the host started.
-    v: f64,
     at: Option<Instant>,
-    /// Running jobs: (target v, id).
-    jobs: Vec<(f64, u64)>,
+    /// Running jobs, in arrival order.
+    jobs: Vec<Job>,
     next_id: u64,
     /// Work charged (tokio ns), for reports.
     busy: f64,
 }
 
 impl HostState {
-    fn rate(&self, cores: u32) -> f64 {
-        let n = self.jobs.len() as f64;
-        if cores == 0 || n <= f64::from(cores) {
-            1.0
+    /// Sets every job's rate for the current job set (weighted max-min fairness, each job
+    /// capped at 1): jobs with the most threads are capped first, the rest share what is
+    /// left of the cores by their threads.
+    fn share(&mut self, cores: u32) {
+        let threads: f64 = self.jobs.iter().map(|j| f64::from(j.threads)).sum();
+        if cores == 0 || threads <= f64::from(cores) {
+            for j in &mut self.jobs {
+                j.rate = 1.0;
+            }
+            return;
+        }
+        let mut order: Vec<usize> = (0..self.jobs.len()).collect();
+        // Most threads first; ties in arrival order, so the outcome is a function of the jobs.
+        order.sort_by(|&a, &b| {
+            self.jobs[b]
+                .threads
+                .cmp(&self.jobs[a].threads)
+                .then(a.cmp(&b))
+        });
+        let (mut cores_left, mut threads_left) = (f64::from(cores), threads);
+        let mut i = 0;
+        while i < order.len() {
+            let j = &self.jobs[order[i]];
+            let t = f64::from(j.threads);
+            if t * cores_left / threads_left < 1.0 {
+                break;
+            }
+            cores_left -= 1.0;
+            threads_left -= t;
+            i += 1;
+        }
+        let per_thread = if threads_left > 0.0 {
+            cores_left / threads_left
         } else {
-            f64::from(cores) / n
+            0.0
+        };
+        for (k, &idx) in order.iter().enumerate() {
+            let j = &mut self.jobs[idx];
+            j.rate = if k < i {
+                1.0
+            } else {
+                f64::from(j.threads) * per_thread
+            };
         }
     }
 
-    fn advance(&mut self, now: Instant, cores: u32) {
+    /// Runs every job on at its rate up to `now`.
+    fn advance(&mut self, now: Instant) {
         if let Some(at) = self.at {
             let dt = now.saturating_duration_since(at).as_nanos() as f64;
-            self.v += dt * self.rate(cores);
+            for j in &mut self.jobs {
+                j.left -= dt * j.rate;
+            }
         }
         self.at = Some(now);
     }
@@ -347,10 +426,11 @@ struct JobGuard<'a> {
 impl Drop for JobGuard<'_> {
     fn drop(&mut self) {
         let mut s = self.host.lock();
-        s.advance(Instant::now(), self.host.cores);
-        s.jobs.retain(|j| j.1 != self.id);
+        s.advance(Instant::now());
+        s.jobs.retain(|j| j.id != self.id);
+        s.share(self.host.cores);
         drop(s);
-        // The others' rate went up.
+        // The others' rates went up.
         self.host.changed.notify_waiters();
     }
 }
@@ -361,7 +441,6 @@ impl Host {
             name: name.into(),
             cores,
             state: Mutex::new(HostState {
-                v: 0.0,
                 at: None,
                 jobs: Vec::new(),
                 next_id: 0,
@@ -383,36 +462,50 @@ impl Host {
     /// cores with every other job running meanwhile. Zero work returns at once, without
     /// yielding (so a free model leaves a run's schedule exactly as it was).
     pub async fn run(&self, work: Duration) {
+        self.run_on(work, 1).await
+    }
+
+    /// As [`run`](Self::run), for a job whose work is spread over `threads` threads (at
+    /// least 1): it gets that many shares of the cores while they are contended, and still
+    /// runs no faster than alone.
+    pub async fn run_on(&self, work: Duration, threads: u32) {
         if work.is_zero() {
             return;
         }
         let w = work.as_nanos() as f64;
-        let (id, target) = {
+        let id = {
             let mut s = self.lock();
-            s.advance(Instant::now(), self.cores);
+            s.advance(Instant::now());
             let id = s.next_id;
             s.next_id += 1;
-            let target = s.v + w;
-            s.jobs.push((target, id));
+            s.jobs.push(Job {
+                id,
+                left: w,
+                threads: threads.max(1),
+                rate: 1.0,
+            });
+            s.share(self.cores);
             s.busy += w;
-            (id, target)
+            id
         };
         let _guard = JobGuard { host: self, id };
-        // The others' rate went down.
+        // The others' rates went down.
         self.changed.notify_waiters();
         loop {
             // Made before the state is read, so a change after it is not missed.
             let changed = self.changed.notified();
             let wait = {
                 let mut s = self.lock();
-                s.advance(Instant::now(), self.cores);
+                s.advance(Instant::now());
+                let Some(j) = s.jobs.iter().find(|j| j.id == id) else {
+                    return;
+                };
                 // A tokio timer fires on a whole tick at or after its deadline, so a job
-                // is done once v is within a nanosecond of its target.
-                if s.v + 1.0 >= target {
+                // is done once it is within a nanosecond of its work.
+                if j.left <= 1.0 {
                     return;
                 }
-                let rate = s.rate(self.cores);
-                Duration::from_nanos(((target - s.v) / rate).ceil() as u64)
+                Duration::from_nanos((j.left / j.rate).ceil() as u64)
             };
             tokio::select! {
                 biased;
@@ -625,11 +718,14 @@ impl StageCpu {
         let s = self.cpu.spec();
         let extra = writes.saturating_sub(1) as f64;
         let w = self.cpu.work(bytes, s.copy_ns_per_byte) + self.cpu.us(extra * s.write_us);
+        let threads = s
+            .transfer_threads
+            .min(writes.try_into().unwrap_or(u32::MAX));
         match &self.peer {
             Some(p) => {
-                tokio::join!(self.host.run(w), p.run(w));
+                tokio::join!(self.host.run_on(w, threads), p.run_on(w, threads));
             }
-            None => self.host.run(w).await,
+            None => self.host.run_on(w, threads).await,
         }
     }
 

@@ -271,6 +271,52 @@ fn two_jobs_on_one_core_take_twice_as_long() {
     });
 }
 
+/// A job on several threads gets a share of the cores per thread while they are contended,
+/// and never runs faster than alone.
+#[test]
+fn a_job_on_more_threads_gets_more_of_a_contended_host() {
+    use omnirig_harness::host::Host;
+    use std::time::Duration;
+    let ms = Duration::from_millis;
+    let rt = paused_runtime();
+    rt.block_on(async {
+        // Alone, or beside one job on two cores: as fast as alone.
+        let two = Host::new("two", 2);
+        let t0 = tokio::time::Instant::now();
+        two.run_on(ms(10), 4).await;
+        assert_eq!(t0.elapsed(), ms(10));
+        // One core: 3 threads against 1, so 3/4 and 1/4 of it; the first is done at 8 ms
+        // (6 of work), the other has done 2 of its 10 by then and runs alone after.
+        let one = Host::new("one", 1);
+        let timed = |work: Duration, threads: u32| {
+            let one = &one;
+            async move {
+                let t0 = tokio::time::Instant::now();
+                one.run_on(work, threads).await;
+                t0.elapsed()
+            }
+        };
+        let (a, b) = tokio::join!(timed(ms(6), 3), timed(ms(10), 1));
+        assert_eq!((a, b), (ms(8), ms(16)));
+        // Two cores, a job on 2 threads and two on 1: 4 threads, so half a core each. The
+        // first gets a whole core (as fast as alone) and is done at 10 ms; the others have
+        // done 5 by then and take a core each.
+        let timed2 = |threads: u32| {
+            let two = &two;
+            async move {
+                let t0 = tokio::time::Instant::now();
+                two.run_on(ms(10), threads).await;
+                t0.elapsed()
+            }
+        };
+        let (a, b, c) = tokio::join!(timed2(2), timed2(1), timed2(1));
+        assert_eq!((a, b, c), (ms(10), ms(15), ms(15)));
+        // The same three all on one thread: two thirds of a core each, all done at 15 ms.
+        let (a, b, c) = tokio::join!(timed2(1), timed2(1), timed2(1));
+        assert_eq!((a, b, c), (ms(15), ms(15), ms(15)));
+    });
+}
+
 /// The wake model: traffic reaching a process that saw none for `park_us` waits `wake_us`
 /// (latency, no core busy); traffic within `park_us` of the last does not.
 #[test]
@@ -504,6 +550,8 @@ fn a_transfer_pays_for_each_write_beyond_its_first() {
         );
     }
     refused_on_localhost("  write_us: -1", "cpu.write_us: -1");
+    refused_on_localhost("  transfer_threads: 0", "cpu.transfer_threads: 0");
+    refused_on_localhost("  transfer_threads: 65", "cpu.transfer_threads: 65");
 }
 
 /// The packet connector's consumer pays for decoding the packet when it fences the grants

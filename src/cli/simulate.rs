@@ -209,6 +209,8 @@ pub struct Prediction {
     pub e2e_ms_p50: f64,
     pub e2e_ms_p99: f64,
     pub throughput_rps: f64,
+    /// Each hop's transfers by payload size (not scored).
+    pub sizes: Vec<SizeFigure>,
     /// The busiest fabric queues, utilisation in [0, 1].
     pub busiest: Vec<(String, f64)>,
     pub modelled_s: f64,
@@ -230,6 +232,50 @@ pub struct Comparison {
     pub runs: usize,
     /// (predicted - measured) / measured.
     pub error: f64,
+}
+
+/// One hop's transfers of one payload size: the p50s over them alone.
+///
+/// A hop's p50 is taken over a mix of payload sizes, and where the sizes' times overlap it
+/// can sit at a boundary between two of them and jump from run to run; the figures by size
+/// show which transfers a miss comes from. Diagnostic: not one of the scored figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct SizeFigure {
+    pub hop: String,
+    /// The payload's bytes (a request's whole handoff on this hop).
+    pub bytes: u64,
+    /// Transfers of this size the figures are over.
+    pub transfers: usize,
+    pub transfer_ms_p50: f64,
+    pub handoff_ms_p50: f64,
+}
+
+/// Every hop's transfers in `reports`, pooled, by hop (pipeline order) and payload size.
+fn by_size(reports: &[&Report]) -> Vec<SizeFigure> {
+    use omnirig_harness::report::percentile;
+    let mut at: std::collections::BTreeMap<(usize, &str, u64), (Vec<f64>, Vec<f64>)> =
+        Default::default();
+    let order = omnirig_fixtures::PayloadKind::ALL.map(|k| k.as_str());
+    for r in reports.iter().flat_map(|r| &r.requests) {
+        for h in &r.hops {
+            let rank = order
+                .iter()
+                .position(|k| *k == h.hop)
+                .unwrap_or(order.len());
+            let e = at.entry((rank, h.hop.as_str(), h.bytes)).or_default();
+            e.0.push(h.transfer_ms);
+            e.1.push(h.handoff_ms);
+        }
+    }
+    at.into_iter()
+        .map(|((_, hop, bytes), (t, h))| SizeFigure {
+            hop: hop.into(),
+            bytes,
+            transfers: t.len(),
+            transfer_ms_p50: percentile(&t, 50.0),
+            handoff_ms_p50: percentile(&h, 50.0),
+        })
+        .collect()
 }
 
 fn hops_of(r: &Report) -> Vec<HopPrediction> {
@@ -273,6 +319,7 @@ pub fn predict(
         requests: r.summary.requests,
         ok: r.summary.ok,
         hops: hops_of(r),
+        sizes: by_size(&[r]),
         e2e_ms_p50: r.summary.e2e_p50_ms,
         e2e_ms_p99: r.summary.e2e_p99_ms,
         throughput_rps: r.summary.throughput_rps,
@@ -364,6 +411,55 @@ fn table(preds: &[Prediction]) -> String {
         );
     }
     t
+}
+
+/// Each hop's transfers by payload size, predicted against the measured runs' pooled (not
+/// scored): where a miss of a hop's p50 comes from.
+fn size_table(preds: &[Prediction], measured: &[Report]) -> String {
+    let mut t = String::from(
+        "By payload size (not scored: a hop's p50 mixes sizes; these show which size a miss comes from):\n\n\
+         | concurrency | hop | payload | transfers (predicted / measured) | transfer p50 ms predicted | measured | error | handoff p50 ms predicted | measured | error |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let mut rows = 0;
+    for p in preds {
+        let ms: Vec<&Report> = measured
+            .iter()
+            .filter(|m| m.concurrency == p.concurrency)
+            .collect();
+        if ms.is_empty() {
+            continue;
+        }
+        let m = by_size(&ms);
+        for s in &p.sizes {
+            let Some(x) = m.iter().find(|x| x.hop == s.hop && x.bytes == s.bytes) else {
+                continue;
+            };
+            let err = |p: f64, m: f64| {
+                if m > 0.0 {
+                    format!("{:+.1}%", (p - m) / m * 100.0)
+                } else {
+                    "-".into()
+                }
+            };
+            t += &format!(
+                "| {} | {} | {} | {} / {} | {:.3} | {:.3} | {} | {:.3} | {:.3} | {} |\n",
+                p.concurrency,
+                s.hop,
+                crate::bench::human_size_approx(s.bytes),
+                s.transfers,
+                x.transfers,
+                s.transfer_ms_p50,
+                x.transfer_ms_p50,
+                err(s.transfer_ms_p50, x.transfer_ms_p50),
+                s.handoff_ms_p50,
+                x.handoff_ms_p50,
+                err(s.handoff_ms_p50, x.handoff_ms_p50),
+            );
+            rows += 1;
+        }
+    }
+    if rows == 0 { String::new() } else { t }
 }
 
 fn comparison_table(cmp: &[Comparison]) -> String {
@@ -629,6 +725,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         }
     }
     if !cmp.is_empty() {
+        let sizes = size_table(&preds, &measured);
+        if !sizes.is_empty() {
+            md += "\n";
+            md += &sizes;
+        }
         md += "\n";
         md += &comparison_table(&cmp);
         md += &format!(
