@@ -77,10 +77,10 @@ if ! "$exe" bench transfer --transport tcp --runtime multi --sizes 4K,16M \
 else
   load "link after"
 fi
-# And the calibration once more: fabric R is built from the mean of the figures measured on
-# both sides of the runs.
+# And the calibration once more: fabrics R and S are built from the mean of the figures
+# measured on both sides of the runs.
 if ! "$exe" simulate --calibrate-cpu --out "$out/cal-after" > "$out/calibrate-after.log" 2>&1; then
-  echo "the second calibration failed (no fabric R; the others are still scored):"
+  echo "the second calibration failed (no fabric R or S; the others are still scored):"
   tail "$out/calibrate-after.log"
   rm -rf "$out/cal-after"
   rc=1
@@ -88,10 +88,10 @@ else
   load "calibration after"
 fi
 
-# The model, from this window's figures alone: nine fabrics, five stage processes as five
+# The model, from this window's figures alone: ten fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
 # round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
-# the wake, the check and the loopback's capacity:
+# the wake, the check, the loopback's capacity and a transfer's threads:
 #   T: one socket stream's wall time per byte (the calibration's copy), one wake for any
 #      pause (`wake_us`, after 10 ms): the committed structure, harness/fabrics/tcp-localhost.yaml;
 #   W: as T, the wake by how long the process was parked (`wake_after`, measured after 1, 10
@@ -112,6 +112,10 @@ fi
 #   R: as Q, every figure (the link's and the calibration's) the mean of the two measured
 #      before the runs and the two after them (link-after.json, cal-after/): a host whose
 #      speed drifts over the window is met halfway.
+#   S: as R, a transfer's copies on min(4, cores) threads a side (`transfer_threads`: the
+#      engine's 4 streams on the process's runtime workers, one per core), so while the
+#      cores are contended a transfer gets that many shares of them, as Linux shares cores
+#      by thread.
 python3 - "$out" "$(nproc)" << 'PY'
 import json, os, re, sys
 sys.path.insert(0, "ci")
@@ -139,25 +143,28 @@ if os.path.exists(f"{out}/link-after.json") and os.path.exists(f"{out}/cal-after
                            "the mean of link.json and link-after.json",
                            "the mean of cal/cpu.yaml and cal-after/cpu.yaml")
     except ValueError as e:  # the other fabrics still stand
-        print(f"no fabric R: {e}")
+        print(f"no fabric R or S: {e}")
 copy_of = lambda cpu: float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
 # name: (figures, copy ns/B (None: the calibration's), wake by time parked, measured check,
-# loopback capacity factor, each write's cost, a packet's decode, why)
+# loopback capacity factor, each write's cost, a packet's decode, a transfer's threads a side
+# (None: one), why)
 scale = max(1, cores // 4)
+threads = min(4, cores)
 variants = {
-    "T": ("before", None, False, False, 1, False, False, f"copy at one socket stream's wall time, one wake"),
-    "W": ("before", None, True, False, 1, False, False, f"as T, the wake by time parked (wake_after)"),
-    "E": ("before", 1 / gbs, False, False, 1, False, False, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
-    "C": ("before", None, False, True, 1, False, False, f"as T, a whole tensor's check at the stubs' measured check"),
-    "K": ("before", None, True, True, 1, False, False, f"as W, with the measured check"),
-    "L": ("before", None, True, True, scale, False, False, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
-    "P": ("before", None, True, True, scale, True, False, f"as L, each write beyond a transfer's first at its measured cost"),
-    "Q": ("before", None, True, True, scale, True, True, f"as P, a packet's decode at the fence at its measured cost"),
-    "R": ("both", None, True, True, scale, True, True, f"as Q, every figure the mean of those measured before and after the runs"),
+    "T": ("before", None, False, False, 1, False, False, None, f"copy at one socket stream's wall time, one wake"),
+    "W": ("before", None, True, False, 1, False, False, None, f"as T, the wake by time parked (wake_after)"),
+    "E": ("before", 1 / gbs, False, False, 1, False, False, None, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "C": ("before", None, False, True, 1, False, False, None, f"as T, a whole tensor's check at the stubs' measured check"),
+    "K": ("before", None, True, True, 1, False, False, None, f"as W, with the measured check"),
+    "L": ("before", None, True, True, scale, False, False, None, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
+    "P": ("before", None, True, True, scale, True, False, None, f"as L, each write beyond a transfer's first at its measured cost"),
+    "Q": ("before", None, True, True, scale, True, True, None, f"as P, a packet's decode at the fence at its measured cost"),
+    "R": ("both", None, True, True, scale, True, True, None, f"as Q, every figure the mean of those measured before and after the runs"),
+    "S": ("both", None, True, True, scale, True, True, threads, f"as R, a transfer's copies on min(4, cores) = {threads} threads a side"),
 }
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
-for name, (figures, copy, curve, checked, scale, writes, packets, why) in variants.items():
+for name, (figures, copy, curve, checked, scale, writes, packets, threads, why) in variants.items():
     if figures not in sources:
         continue
     rtt_f, gbs_f, cpu, link_from, cpu_from = sources[figures]
@@ -182,12 +189,12 @@ nodes:
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 """ + cpu_section(cpu, f"{copy:.4f}",
                   f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve,
-                  checked, writes, packets)
+                  checked, writes, packets, threads)
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E C K L P Q R; do
+  for f in T W E C K L P Q R S; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \

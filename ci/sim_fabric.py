@@ -31,18 +31,20 @@ def packet(cal):
     return _lines(cal, r"^  packet_us: .*\n  packet_entry_us: .*\n")
 
 
-def cpu_section(cal, copy, hosts, curve=False, checked=False, writes=False, packets=False):
+def cpu_section(cal, copy, hosts, curve=False, checked=False, writes=False, packets=False,
+                threads=None):
     """The section from calibration text `cal`, with the copy cost `copy` (ns/B, formatted),
     the `hosts` lines (each ending in a newline), the wake by time parked when `curve`, the
-    measured whole-tensor check when `checked`, each write's own cost when `writes`, and a
-    packet's decode when `packets`."""
+    measured whole-tensor check when `checked`, each write's own cost when `writes`, a
+    packet's decode when `packets`, and a transfer's copies on `threads` threads a side
+    (`transfer_threads`) when set."""
     val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cal, re.M).group(1)
     return f"""cpu:
   generate_ns_per_byte: {val("generate_ns_per_byte")}
   digest_ns_per_byte: {val("digest_ns_per_byte")}
   copy_ns_per_byte: {copy}
   message_us: {val("message_us")}
-{per_write(cal) if writes else ""}{packet(cal) if packets else ""}  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
+{per_write(cal) if writes else ""}{f"  transfer_threads: {threads}{chr(10)}" if threads else ""}{packet(cal) if packets else ""}  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
 {check(cal) if checked else ""}  wake_us: {val("wake_us")}
 {wake_after(cal) if curve else ""}  hosts:
 {hosts}"""
