@@ -28,6 +28,7 @@ use tokio::time::{Duration, Instant};
 ///   copy_ns_per_byte: 0.35      # a transport copying a byte, on each side (tcp send / recv)
 ///   message_us: 12              # per control message, on each side (encode, syscall, wake-up)
 ///   write_us: 25                # per write of a transfer beyond its first, on each side
+///   transfer_threads: 2         # a transfer's copies on this many threads a side (default 1)
 ///   packet_us: 15               # a packet handoff's sidecar decoded at the fence ...
 ///   packet_entry_us: 5          # ... and each of its entries
 ///   wake_us: 130                # a parked stage process resuming for traffic (latency, no work)
