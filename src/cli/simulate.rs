@@ -250,11 +250,15 @@ pub struct SizeFigure {
     pub handoff_ms_p50: f64,
 }
 
+/// A hop's place in pipeline order, its name and a payload size.
+type SizeKey<'a> = (usize, &'a str, u64);
+/// Transfer and handoff times (ms) of one `SizeKey`'s transfers.
+type SizeTimes = (Vec<f64>, Vec<f64>);
+
 /// Every hop's transfers in `reports`, pooled, by hop (pipeline order) and payload size.
 fn by_size(reports: &[&Report]) -> Vec<SizeFigure> {
     use omnirig_harness::report::percentile;
-    let mut at: std::collections::BTreeMap<(usize, &str, u64), (Vec<f64>, Vec<f64>)> =
-        Default::default();
+    let mut at: std::collections::BTreeMap<SizeKey, SizeTimes> = Default::default();
     let order = omnirig_fixtures::PayloadKind::ALL.map(|k| k.as_str());
     for r in reports.iter().flat_map(|r| &r.requests) {
         for h in &r.hops {
