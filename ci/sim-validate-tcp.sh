@@ -17,7 +17,7 @@
 #                                  and drift.txt (the link measured again after the runs, against
 #                                  before: how far the host moved meanwhile), cal-after/ (the
 #                                  calibration again after the runs) and predicted/ (fabrics T,
-#                                  W, E, C, K, L, P, Q and R from these figures, each scored
+#                                  W, E, C, K, L, P, Q, R and S from these figures, each scored
 #                                  against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default), ROUNDS=16 (default: each run's requests,
 #   the scenario's three repeated until at least ROUNDS times the concurrency, 18 at 1 and 66
