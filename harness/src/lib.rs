@@ -23,6 +23,7 @@
 //!   processes via [`process`]); [`report`]: `report.json`.
 
 pub mod control;
+pub mod cpu;
 pub mod ec;
 pub mod error;
 pub mod faults;

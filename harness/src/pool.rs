@@ -102,7 +102,7 @@ pub fn poison(buffer: &Buffer, offset: u64, len: u64) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
-    crate::stage::cpu_for(len, || fill_poison(buffer, &[(offset, len)]))?;
+    crate::cpu::cpu_for(len, || fill_poison(buffer, &[(offset, len)]))?;
     Ok(())
 }
 
@@ -117,8 +117,8 @@ fn fill_poison(
 }
 
 /// [`poison`] for every `(offset, len)` range of a reservation, `held` being what keeps
-/// the ranges reserved (handed back when it drops). A large total runs on the blocking pool,
-/// once for all ranges, while this task waits: the async worker goes on running the
+/// the ranges reserved (handed back when it drops). A large total runs on the stages' CPU
+/// pool ([`crate::cpu`]), once for all ranges, while this task waits: the async worker goes on running the
 /// process's other tasks. Blocking the worker in place instead (`block_in_place`) left a
 /// control message another stage's task was woken for waiting behind a KV reservation's
 /// memset: 4-5 ms of the EC handoff in one process. `held` travels with the memset and comes
@@ -130,20 +130,16 @@ pub async fn poison_held<H: Send + 'static>(
     held: H,
 ) -> Result<H> {
     let total: u64 = ranges.iter().map(|r| r.1).sum();
-    if total <= crate::stage::IN_PLACE_BYTES || !crate::stage::multi_thread() {
+    if total <= crate::cpu::IN_PLACE_BYTES || !crate::cpu::multi_thread() {
         fill_poison(buffer, &ranges)?;
         return Ok(held);
     }
     let b = buffer.clone();
-    let (held, r) = tokio::task::spawn_blocking(move || {
+    let (held, r) = crate::cpu::spawn("poison", move || {
         let r = fill_poison(&b, &ranges);
         (held, r)
     })
-    .await
-    .map_err(|e| HarnessError::Pool {
-        pool: "poison".into(),
-        reason: format!("the poisoning task failed: {e}"),
-    })?;
+    .await?;
     r?;
     Ok(held)
 }

@@ -366,6 +366,8 @@ impl Remote {
                 launcher.bind_host(stage).to_string(),
                 "--memory".into(),
                 scenario.memory.as_str().into(),
+                "--check-nice".into(),
+                crate::cpu::nice().to_string(),
             ];
             let mut args = args;
             if let Some(spec) = launcher.metadata() {

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 use crate::control::{Link, Msg};
+use crate::cpu::{cpu, cpu_for};
 use crate::ec::{EcAcquire, EncoderCache};
 use crate::error::{Cause, Classified, FailureKind, HarnessError, Result};
 use crate::faults::{HarnessFault, HarnessFaults, fault_tag};
@@ -251,36 +252,6 @@ impl StageUsage {
                 .all(|e| (e.grants, e.batches, e.tasks, e.leases) == (0, 0, 0, 0))
             && self.open_mailboxes == 0
             && !self.unanswered
-    }
-}
-
-/// Verifications of at most this many bytes run in place: digesting a few KiB takes less
-/// than handing the worker's core to another thread (`block_in_place`).
-pub(crate) const IN_PLACE_BYTES: u64 = 256 << 10;
-
-/// [`cpu`] for work on `bytes` bytes: in place when they are few.
-pub(crate) fn cpu_for<R>(bytes: u64, f: impl FnOnce() -> R) -> R {
-    if bytes <= IN_PLACE_BYTES { f() } else { cpu(f) }
-}
-
-/// Whether this task runs on tokio's multi-thread runtime (not the sim's paused one, where
-/// work on other threads would let virtual time run on).
-pub(crate) fn multi_thread() -> bool {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    matches!(
-        Handle::try_current().map(|h| h.runtime_flavor()),
-        Ok(RuntimeFlavor::MultiThread)
-    )
-}
-
-/// Runs CPU-heavy work (generating, digesting hundreds of MiB) without
-/// stalling the runtime: other requests' transfers and control messages keep
-/// moving on the remaining workers.
-pub(crate) fn cpu<R>(f: impl FnOnce() -> R) -> R {
-    if multi_thread() {
-        tokio::task::block_in_place(f)
-    } else {
-        f()
     }
 }
 

@@ -37,6 +37,12 @@ pub struct RunArgs {
     /// `--transport sim`: write the run's event trace here, one event per line.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// The nice value (0-19) of the threads that generate and check the stages' tensors,
+    /// so a woken transfer gets a core before them; 0: they run on the runtime's own threads,
+    /// at the data plane's priority. `--processes` and `--cluster` pass it to every stage.
+    #[arg(long, default_value_t = omnirig_harness::cpu::DEFAULT_NICE,
+          value_parser = clap::value_parser!(i32).range(0..=19))]
+    check_nice: i32,
     /// No per-request progress lines on stderr.
     #[arg(long, short)]
     quiet: bool,
@@ -90,6 +96,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         return run_sim(&scenario, &args);
     }
+    omnirig_harness::cpu::set_nice(args.check_nice)?;
     let mut runner = Runner::new(scenario).progress(!args.quiet);
     if args.processes {
         runner = runner.processes(std::env::current_exe().context("locating the omnirig binary")?);

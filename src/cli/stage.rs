@@ -41,10 +41,16 @@ pub struct StageArgs {
     /// Where its tensors live: host, or gpu (device memory; a build with `--features cuda`).
     #[arg(long, default_value = "host")]
     memory: omnirig_harness::StageMemory,
+    /// The nice value (0-19) of the threads that generate and check its tensors (see
+    /// `omnirig run --check-nice`).
+    #[arg(long, default_value_t = omnirig_harness::cpu::DEFAULT_NICE,
+          value_parser = clap::value_parser!(i32).range(0..=19))]
+    check_nice: i32,
 }
 
 pub fn run(args: StageArgs) -> anyhow::Result<()> {
     let stage = Stage::parse(&args.stage, "--stage")?;
+    omnirig_harness::cpu::set_nice(args.check_nice)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
