@@ -17,11 +17,14 @@
 #                                  and drift.txt (the link measured again after the runs, against
 #                                  before: how far the host moved meanwhile), cal-after/ (the
 #                                  calibration again after the runs) and predicted/ (fabrics T,
-#                                  W, E, C, K, L, P, Q, R and S from these figures, each scored
+#                                  W, E, C, K, L, P, Q, R, S and V from these figures, each scored
 #                                  against the reports)
 #   CONCURRENCY="1 4" (default), REPEATS=3 (default), ROUNDS=16 (default: each run's requests,
 #   the scenario's three repeated until at least ROUNDS times the concurrency, 18 at 1 and 66
 #   at 4; with 6 and 18, a run's p50 moved by up to 51% between one window's runs),
+#   CHECK_NICE=N (default 10): the runs' `--check-nice`, the nice value of the stages' checks,
+#   and the fabrics' `cpu.check_nice` (0: the checks at the data plane's priority, as every
+#   window before 2026-12-07 measured them),
 #   OMNIRIG=PATH: a release binary built elsewhere (a machine without a Rust toolchain);
 #   without it the script builds one
 # Run it on a quiet machine: the five stage processes share its cores with whatever else runs.
@@ -40,8 +43,9 @@ fi
 conc=${CONCURRENCY:-1 4}
 repeats=${REPEATS:-3}
 rounds=${ROUNDS:-16}
+nice=${CHECK_NICE:-10}
 load() { echo "$1: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$out/load.txt"; }
-load "$(nproc) cores, built in $((SECONDS - t0)) s"
+load "$(nproc) cores, checks at nice $nice, built in $((SECONDS - t0)) s"
 
 t=$SECONDS
 "$exe" bench transfer --transport tcp --runtime multi --sizes 4K,16M --json "$out/link.json" \
@@ -60,7 +64,7 @@ rc=0
 for i in $(seq "$repeats"); do
   for c in $conc; do
     t=$SECONDS
-    "$exe" run "$out/scenarios/scenario-c$c.yaml" --processes --transport tcp -q \
+    "$exe" run "$out/scenarios/scenario-c$c.yaml" --processes --transport tcp -q --check-nice "$nice" \
       --report "$out/m-c$c-$i" > "$out/run-c$c-$i.log" 2>&1 || rc=1
     load "c$c run $i"
     echo "c$c run $i: $((SECONDS - t)) s, $(grep -m1 'requests ok' "$out/run-c$c-$i.log" || echo failed)"
@@ -88,7 +92,7 @@ else
   load "calibration after"
 fi
 
-# The model, from this window's figures alone: ten fabrics, five stage processes as five
+# The model, from this window's figures alone: eleven fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
 # round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
 # the wake, the check, the loopback's capacity and a transfer's threads:
@@ -116,11 +120,14 @@ fi
 #      engine's 4 streams on the process's runtime workers, one per core), so while the
 #      cores are contended a transfer gets that many shares of them, as Linux shares cores
 #      by thread.
-python3 - "$out" "$(nproc)" << 'PY'
+#   V: as S, the stages' checks at the data plane's priority (`check_nice: 0`) while the runs
+#      had them at CHECK_NICE: what the model says without the checks' own pool (no V when
+#      CHECK_NICE is 0). Every other fabric has the runs' `check_nice`.
+python3 - "$out" "$(nproc)" "$nice" << 'PY'
 import json, os, re, sys
 sys.path.insert(0, "ci")
 from sim_fabric import check, cpu_section, mean_calibration, packet, per_write, wake_after
-out, cores = sys.argv[1], int(sys.argv[2])
+out, cores, nice = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def link(name):  # a link bench's 4 KiB write round trip (us) and 16 MiB write rate (GB/s)
     rows = json.load(open(f"{out}/{name}"))["rows"]
     fig = lambda op, size: next(r["omnirig"] for r in rows if r["op"] == op and r["size"] == size)
@@ -147,24 +154,26 @@ if os.path.exists(f"{out}/link-after.json") and os.path.exists(f"{out}/cal-after
 copy_of = lambda cpu: float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
 # name: (figures, copy ns/B (None: the calibration's), wake by time parked, measured check,
 # loopback capacity factor, each write's cost, a packet's decode, a transfer's threads a side
-# (None: one), why)
+# (None: one), the checks' nice value, why)
 scale = max(1, cores // 4)
 threads = min(4, cores)
 variants = {
-    "T": ("before", None, False, False, 1, False, False, None, f"copy at one socket stream's wall time, one wake"),
-    "W": ("before", None, True, False, 1, False, False, None, f"as T, the wake by time parked (wake_after)"),
-    "E": ("before", 1 / gbs, False, False, 1, False, False, None, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
-    "C": ("before", None, False, True, 1, False, False, None, f"as T, a whole tensor's check at the stubs' measured check"),
-    "K": ("before", None, True, True, 1, False, False, None, f"as W, with the measured check"),
-    "L": ("before", None, True, True, scale, False, False, None, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
-    "P": ("before", None, True, True, scale, True, False, None, f"as L, each write beyond a transfer's first at its measured cost"),
-    "Q": ("before", None, True, True, scale, True, True, None, f"as P, a packet's decode at the fence at its measured cost"),
-    "R": ("both", None, True, True, scale, True, True, None, f"as Q, every figure the mean of those measured before and after the runs"),
-    "S": ("both", None, True, True, scale, True, True, threads, f"as R, a transfer's copies on min(4, cores) = {threads} threads a side"),
+    "T": ("before", None, False, False, 1, False, False, None, nice, f"copy at one socket stream's wall time, one wake"),
+    "W": ("before", None, True, False, 1, False, False, None, nice, f"as T, the wake by time parked (wake_after)"),
+    "E": ("before", 1 / gbs, False, False, 1, False, False, None, nice, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "C": ("before", None, False, True, 1, False, False, None, nice, f"as T, a whole tensor's check at the stubs' measured check"),
+    "K": ("before", None, True, True, 1, False, False, None, nice, f"as W, with the measured check"),
+    "L": ("before", None, True, True, scale, False, False, None, nice, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
+    "P": ("before", None, True, True, scale, True, False, None, nice, f"as L, each write beyond a transfer's first at its measured cost"),
+    "Q": ("before", None, True, True, scale, True, True, None, nice, f"as P, a packet's decode at the fence at its measured cost"),
+    "R": ("both", None, True, True, scale, True, True, None, nice, f"as Q, every figure the mean of those measured before and after the runs"),
+    "S": ("both", None, True, True, scale, True, True, threads, nice, f"as R, a transfer's copies on min(4, cores) = {threads} threads a side"),
 }
+if nice:
+    variants["V"] = ("both", None, True, True, scale, True, True, threads, 0, f"as S, the checks at the data plane's priority (check_nice: 0) while the runs had them at nice {nice}")
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
-for name, (figures, copy, curve, checked, scale, writes, packets, threads, why) in variants.items():
+for name, (figures, copy, curve, checked, scale, writes, packets, threads, check_nice, why) in variants.items():
     if figures not in sources:
         continue
     rtt_f, gbs_f, cpu, link_from, cpu_from = sources[figures]
@@ -189,12 +198,12 @@ nodes:
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 """ + cpu_section(cpu, f"{copy:.4f}",
                   f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve,
-                  checked, writes, packets, threads)
+                  checked, writes, packets, threads, check_nice)
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E C K L P Q R S; do
+  for f in T W E C K L P Q R S V; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \

@@ -112,11 +112,30 @@ pub struct CpuSpec {
     /// within this pays no wake. Defaults to the engine's tcp busy-poll window.
     #[serde(default = "default_park_us")]
     pub park_us: f64,
+    /// The nice value the stages' CPU work runs at (`omnirig run --check-nice`, 10 by
+    /// default): generating and checking tensors, but not a check of at most 256 KiB (done in
+    /// place), a packet's decode or a transfer's copies, which run on the data plane's
+    /// threads at nice 0. While the cores are contended, a job's threads weigh as Linux weighs
+    /// their nice values (1024 at 0, 110 at 10), so a woken transfer takes a core from a
+    /// check. 0: every job weighs the same, as before the checks had a pool of their own
+    /// (windows measured before 2026-12-07; docs/sim.md).
+    #[serde(default = "default_check_nice")]
+    pub check_nice: i32,
     #[serde(default)]
     pub cores: u32,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hosts: Vec<HostSpec>,
 }
+
+fn default_check_nice() -> i32 {
+    crate::cpu::DEFAULT_NICE
+}
+
+/// Linux's weight of a thread at nice 0 to 19 (the scheduler's `sched_prio_to_weight`).
+const NICE_WEIGHT: [f64; 20] = [
+    1024.0, 820.0, 655.0, 526.0, 423.0, 335.0, 272.0, 215.0, 172.0, 137.0, 110.0, 87.0, 70.0, 56.0,
+    45.0, 36.0, 29.0, 23.0, 18.0, 15.0,
+];
 
 fn default_park_us() -> f64 {
     50.0
@@ -161,6 +180,7 @@ impl Default for CpuSpec {
             wake_us: 0.0,
             wake_after: Vec::new(),
             park_us: default_park_us(),
+            check_nice: default_check_nice(),
             cores: 0,
             hosts: Vec::new(),
         }
@@ -237,6 +257,12 @@ impl CpuSpec {
             && !(v.is_finite() && v > 0.0 && v <= 1e6)
         {
             return Err(format!("cpu.check_ns_per_byte: {v} is not in (0, 1e6]"));
+        }
+        if !(0..=19).contains(&self.check_nice) {
+            return Err(format!(
+                "cpu.check_nice: {} is not in 0..=19",
+                self.check_nice
+            ));
         }
         if self.cores > MAX_CORES {
             return Err(format!(
@@ -328,6 +354,10 @@ impl CpuSpec {
 /// at min(1, threads x s), where the share `s` is the one that hands out every core (or 1
 /// when there are cores to spare). A job never runs faster than alone (rate 1): its work
 /// is what it took alone. With every job on one thread this is min(1, cores / jobs).
+///
+/// The stages' CPU work ([`Priority::Checks`]) runs below the data plane: its threads weigh
+/// `check_weight` against a data-plane thread's 1, so the share is by weight, not by thread
+/// (weighted max-min fairness, as Linux's scheduler shares cores by nice value).
 /// Times are tokio's (the sim runner's clock, scaled), so the model needs no clock of its
 /// own.
 #[derive(Debug)]
@@ -335,6 +365,8 @@ pub struct Host {
     name: String,
     /// 0: every job runs at full speed.
     cores: u32,
+    /// What a thread of the stages' CPU work weighs against a data-plane thread.
+    check_weight: f64,
     state: Mutex<HostState>,
     changed: Notify,
 }
@@ -345,6 +377,8 @@ struct Job {
     /// Work (tokio ns) still to do.
     left: f64,
     threads: u32,
+    /// What each of its threads weighs (1: the data plane's).
+    weight: f64,
     /// Its progress per tokio ns, as of the last change of the job set.
     rate: f64,
 }
@@ -361,8 +395,8 @@ struct HostState {
 
 impl HostState {
     /// Sets every job's rate for the current job set (weighted max-min fairness, each job
-    /// capped at 1): jobs with the most threads are capped first, the rest share what is
-    /// left of the cores by their threads.
+    /// capped at 1): the jobs of the heaviest claim (threads x weight) are capped first, the
+    /// rest share what is left of the cores by their claims.
     fn share(&mut self, cores: u32) {
         let threads: f64 = self.jobs.iter().map(|j| f64::from(j.threads)).sum();
         if cores == 0 || threads <= f64::from(cores) {
@@ -371,38 +405,34 @@ impl HostState {
             }
             return;
         }
+        let claim = |j: &Job| f64::from(j.threads) * j.weight;
         let mut order: Vec<usize> = (0..self.jobs.len()).collect();
-        // Most threads first; ties in arrival order, so the outcome is a function of the jobs.
+        // Heaviest first; ties in arrival order, so the outcome is a function of the jobs.
         order.sort_by(|&a, &b| {
-            self.jobs[b]
-                .threads
-                .cmp(&self.jobs[a].threads)
+            claim(&self.jobs[b])
+                .total_cmp(&claim(&self.jobs[a]))
                 .then(a.cmp(&b))
         });
-        let (mut cores_left, mut threads_left) = (f64::from(cores), threads);
+        let mut cores_left = f64::from(cores);
+        let mut claims_left: f64 = self.jobs.iter().map(claim).sum();
         let mut i = 0;
         while i < order.len() {
-            let j = &self.jobs[order[i]];
-            let t = f64::from(j.threads);
-            if t * cores_left / threads_left < 1.0 {
+            let c = claim(&self.jobs[order[i]]);
+            if c * cores_left / claims_left < 1.0 {
                 break;
             }
             cores_left -= 1.0;
-            threads_left -= t;
+            claims_left -= c;
             i += 1;
         }
-        let per_thread = if threads_left > 0.0 {
-            cores_left / threads_left
+        let per_claim = if claims_left > 0.0 {
+            cores_left / claims_left
         } else {
             0.0
         };
         for (k, &idx) in order.iter().enumerate() {
             let j = &mut self.jobs[idx];
-            j.rate = if k < i {
-                1.0
-            } else {
-                f64::from(j.threads) * per_thread
-            };
+            j.rate = if k < i { 1.0 } else { claim(j) * per_claim };
         }
     }
 
@@ -436,11 +466,29 @@ impl Drop for JobGuard<'_> {
     }
 }
 
+/// Whose work a job is: it sets what the job's threads weigh while the cores are contended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    /// The runtime's threads: transfers' copies, control messages, small checks done in place.
+    DataPlane,
+    /// The stages' CPU pool ([`crate::cpu`]), niced to `cpu.check_nice`.
+    Checks,
+}
+
 impl Host {
+    /// A host of `cores` cores (0: as many as it needs) whose checks run at the data plane's
+    /// priority.
     pub fn new(name: &str, cores: u32) -> Self {
+        Self::with_check_nice(name, cores, 0)
+    }
+
+    /// A host of `cores` cores whose stages' CPU work runs at nice `check_nice` (0 to 19).
+    pub fn with_check_nice(name: &str, cores: u32, check_nice: i32) -> Self {
+        let nice = check_nice.clamp(0, 19) as usize;
         Host {
             name: name.into(),
             cores,
+            check_weight: NICE_WEIGHT[nice] / NICE_WEIGHT[0],
             state: Mutex::new(HostState {
                 at: None,
                 jobs: Vec::new(),
@@ -470,9 +518,18 @@ impl Host {
     /// least 1): it gets that many shares of the cores while they are contended, and still
     /// runs no faster than alone.
     pub async fn run_on(&self, work: Duration, threads: u32) {
+        self.run_as(work, threads, Priority::DataPlane).await
+    }
+
+    /// As [`run_on`](Self::run_on), for a job of `priority`.
+    pub async fn run_as(&self, work: Duration, threads: u32, priority: Priority) {
         if work.is_zero() {
             return;
         }
+        let weight = match priority {
+            Priority::DataPlane => 1.0,
+            Priority::Checks => self.check_weight,
+        };
         let w = work.as_nanos() as f64;
         let id = {
             let mut s = self.lock();
@@ -483,6 +540,7 @@ impl Host {
                 id,
                 left: w,
                 threads: threads.max(1),
+                weight,
                 rate: 1.0,
             });
             s.share(self.cores);
@@ -543,14 +601,22 @@ impl Cpu {
         let mut hosts = Vec::new();
         let mut of_node = BTreeMap::new();
         for h in &spec.hosts {
-            hosts.push(Arc::new(Host::new(&h.name, h.cores)));
+            hosts.push(Arc::new(Host::with_check_nice(
+                &h.name,
+                h.cores,
+                spec.check_nice,
+            )));
             for n in &h.nodes {
                 of_node.insert(n.clone(), hosts.len() - 1);
             }
         }
         for n in nodes {
             if !of_node.contains_key(*n) {
-                hosts.push(Arc::new(Host::new(n, spec.cores)));
+                hosts.push(Arc::new(Host::with_check_nice(
+                    n,
+                    spec.cores,
+                    spec.check_nice,
+                )));
                 of_node.insert((*n).to_string(), hosts.len() - 1);
             }
         }
@@ -671,7 +737,7 @@ impl StageCpu {
     pub async fn produce(&self, bytes: u64, digested: bool) {
         let s = self.cpu.spec();
         let per = s.generate_ns_per_byte + if digested { s.digest_ns_per_byte } else { 0.0 };
-        self.host.run(self.cpu.work(bytes, per)).await;
+        self.checks(self.cpu.work(bytes, per)).await;
     }
 
     /// Verifying `bytes` that arrived: digesting them, and making the expected digest
@@ -687,7 +753,12 @@ impl StageCpu {
         if !remembered {
             w += self.cpu.us(s.check_us);
         }
-        self.host.run(w).await;
+        // A check of a few KiB runs in place, on the data plane's thread (crate::cpu).
+        if bytes <= crate::cpu::IN_PLACE_BYTES {
+            self.host.run(w).await;
+        } else {
+            self.checks(w).await;
+        }
     }
 
     /// The packet connector's consumer decoding a packet of `entries` entries at the fence
@@ -705,10 +776,10 @@ impl StageCpu {
     /// measured rate where the host model has one.
     pub async fn verify_kv(&self, bytes: u64, remembered: bool) {
         match self.cpu.spec().kv_check_ns_per_byte {
-            Some(per) if !remembered => self.host.run(self.cpu.work(bytes, per)).await,
+            Some(per) if !remembered => self.checks(self.cpu.work(bytes, per)).await,
             _ => {
                 let per = verify_ns_per_byte(self.cpu.spec(), remembered, false);
-                self.host.run(self.cpu.work(bytes, per)).await
+                self.checks(self.cpu.work(bytes, per)).await
             }
         }
     }
@@ -756,7 +827,12 @@ impl StageCpu {
     /// A copy of `bytes` within this host (pre-generated outputs copied into place).
     pub async fn copy_here(&self, bytes: u64) {
         let w = self.cpu.work(bytes, self.cpu.spec().copy_ns_per_byte);
-        self.host.run(w).await;
+        self.checks(w).await;
+    }
+
+    /// Work of the stages' CPU pool, below the data plane ([`Priority::Checks`]).
+    async fn checks(&self, work: Duration) {
+        self.host.run_as(work, 1, Priority::Checks).await
     }
 }
 

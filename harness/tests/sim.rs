@@ -317,6 +317,52 @@ fn a_job_on_more_threads_gets_more_of_a_contended_host() {
     });
 }
 
+/// The stages' checks run below the data plane: on one core, a transfer's copy beside a check
+/// gets the core by Linux's weights (1024 at nice 0 against 110 at nice 10), where at one
+/// priority the two share it evenly. Work is conserved either way.
+#[test]
+fn a_check_yields_the_core_to_the_data_plane() {
+    use omnirig_harness::host::{Host, Priority};
+    use std::time::Duration;
+    let ms = Duration::from_millis;
+    let rt = paused_runtime();
+    rt.block_on(async {
+        // 1024 ms of work each (tokio's timers tick by the millisecond).
+        async fn timed(host: &Host, p: Priority) -> Duration {
+            let t0 = tokio::time::Instant::now();
+            host.run_as(Duration::from_millis(1024), 1, p).await;
+            t0.elapsed()
+        }
+        let niced = Host::with_check_nice("one", 1, 10);
+        let (copy, check) = tokio::join!(
+            timed(&niced, Priority::DataPlane),
+            timed(&niced, Priority::Checks)
+        );
+        // The copy at 1024/1134 of the core; the check has done 110 ms by then.
+        assert_eq!((copy, check), (ms(1134), ms(2048)));
+        // Two checks beside each other weigh the same: an even share.
+        let (a, b) = tokio::join!(
+            timed(&niced, Priority::Checks),
+            timed(&niced, Priority::Checks)
+        );
+        assert_eq!((a, b), (ms(2048), ms(2048)));
+        // Nice 0: the checks at the data plane's priority, as before they had a pool.
+        let even = Host::with_check_nice("one", 1, 0);
+        let (copy, check) = tokio::join!(
+            timed(&even, Priority::DataPlane),
+            timed(&even, Priority::Checks)
+        );
+        assert_eq!((copy, check), (ms(2048), ms(2048)));
+        // With a core each, the priority changes nothing.
+        let two = Host::with_check_nice("two", 2, 19);
+        let (copy, check) = tokio::join!(
+            timed(&two, Priority::DataPlane),
+            timed(&two, Priority::Checks)
+        );
+        assert_eq!((copy, check), (ms(1024), ms(1024)));
+    });
+}
+
 /// The wake model: traffic reaching a process that saw none for `park_us` waits `wake_us`
 /// (latency, no core busy); traffic within `park_us` of the last does not.
 #[test]
@@ -552,6 +598,8 @@ fn a_transfer_pays_for_each_write_beyond_its_first() {
     refused_on_localhost("  write_us: -1", "cpu.write_us: -1");
     refused_on_localhost("  transfer_threads: 0", "cpu.transfer_threads: 0");
     refused_on_localhost("  transfer_threads: 65", "cpu.transfer_threads: 65");
+    refused_on_localhost("  check_nice: 20", "cpu.check_nice: 20");
+    refused_on_localhost("  check_nice: -1", "cpu.check_nice: -1");
 }
 
 /// The packet connector's consumer pays for decoding the packet when it fences the grants
