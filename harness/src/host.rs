@@ -117,8 +117,10 @@ pub struct CpuSpec {
     /// place), a packet's decode or a transfer's copies, which run on the data plane's
     /// threads at nice 0. While the cores are contended, a job's threads weigh as Linux weighs
     /// their nice values (1024 at 0, 110 at 10), so a woken transfer takes a core from a
-    /// check. 0: every job weighs the same, as before the checks had a pool of their own
-    /// (windows measured before 2026-12-07; docs/sim.md).
+    /// check. Each stage process runs its checks on a pool of as many threads as its host
+    /// has cores; the rest wait their turn. 0: every job weighs the same and each check has
+    /// a thread of its own, as before the checks had a pool (windows measured before
+    /// 2026-12-07; docs/sim.md).
     #[serde(default = "default_check_nice")]
     pub check_nice: i32,
     #[serde(default)]
@@ -633,6 +635,14 @@ impl Cpu {
         &self.spec
     }
 
+    /// A stage process's pool for its checks on `host`: as many threads as the host has
+    /// cores, as `omnirig run` builds it (`harness/src/cpu.rs`). None where the checks have
+    /// no pool (`check_nice: 0`, each on its runtime thread) or the host's cores are unbounded.
+    pub fn check_pool(&self, host: &Host) -> Option<Arc<tokio::sync::Semaphore>> {
+        (self.spec.check_nice > 0 && host.cores > 0)
+            .then(|| Arc::new(tokio::sync::Semaphore::new(host.cores as usize)))
+    }
+
     /// The host of fabric node `node` (`node/nic` allowed).
     pub fn host(&self, node: &str) -> Option<Arc<Host>> {
         let node = node.split_once('/').map_or(node, |(n, _)| n);
@@ -730,6 +740,9 @@ pub struct StageCpu {
     /// This stage's process, and the one it sends to (the wake model's names).
     pub process: String,
     pub peer_process: Option<String>,
+    /// The process's pool for its checks ([`Cpu::check_pool`]): at most that many of its
+    /// checks run at once, the rest wait their turn. `None`: each runs on a thread of its own.
+    pub pool: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl StageCpu {
@@ -830,8 +843,17 @@ impl StageCpu {
         self.checks(w).await;
     }
 
-    /// Work of the stages' CPU pool, below the data plane ([`Priority::Checks`]).
+    /// Work of the stages' CPU pool, below the data plane ([`Priority::Checks`]), on one of
+    /// the pool's threads once one is free.
     async fn checks(&self, work: Duration) {
+        if work.is_zero() {
+            return;
+        }
+        // The pool is never closed, so acquiring fails only if it were.
+        let _thread = match &self.pool {
+            Some(p) => p.acquire().await.ok(),
+            None => None,
+        };
         self.host.run_as(work, 1, Priority::Checks).await
     }
 }

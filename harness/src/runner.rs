@@ -203,6 +203,7 @@ pub async fn local_stages_on(
                 if let Some(host) = host_of(stage) {
                     w.charge_cpu(StageCpu {
                         cpu: c.clone(),
+                        pool: c.check_pool(&host),
                         host,
                         peer: outbound_kind(stage).and_then(|k| host_of(k.target())),
                         process: stage.as_str().to_string(),

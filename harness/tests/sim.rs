@@ -363,6 +363,59 @@ fn a_check_yields_the_core_to_the_data_plane() {
     });
 }
 
+/// A stage process's checks run on its pool of as many threads as its host has cores: on
+/// one core, two of its checks take turns (the first done at 10 ms, not 20), where with the
+/// checks at the data plane's priority (no pool) each has a thread and they share the core.
+#[test]
+fn a_process_checks_on_a_pool_of_its_hosts_cores() {
+    use omnirig_harness::host::{Cpu, CpuSpec, HostSpec, StageCpu};
+    use std::sync::Arc;
+    use std::time::Duration;
+    let ms = Duration::from_millis;
+    let rt = paused_runtime();
+    rt.block_on(async {
+        let stage = |check_nice: i32| {
+            let spec = CpuSpec {
+                kv_check_ns_per_byte: Some(1.0),
+                check_nice,
+                hosts: vec![HostSpec {
+                    name: "one".into(),
+                    cores: 1,
+                    nodes: vec!["a".into()],
+                }],
+                ..CpuSpec::default()
+            };
+            let cpu = Arc::new(Cpu::new(spec, &["a"], 1).unwrap());
+            let host = cpu.host("a").unwrap();
+            StageCpu {
+                pool: cpu.check_pool(&host),
+                cpu,
+                host,
+                peer: None,
+                process: "a".into(),
+                peer_process: None,
+            }
+        };
+        // 10 ms of KV check each (10^7 bytes at 1 ns).
+        async fn timed(s: &StageCpu) -> Duration {
+            let t0 = tokio::time::Instant::now();
+            s.verify_kv(10_000_000, false).await;
+            t0.elapsed()
+        }
+        let pooled = stage(10);
+        assert_eq!(
+            tokio::join!(timed(&pooled), timed(&pooled)),
+            (ms(10), ms(20))
+        );
+        let unpooled = stage(0);
+        assert!(unpooled.pool.is_none());
+        assert_eq!(
+            tokio::join!(timed(&unpooled), timed(&unpooled)),
+            (ms(20), ms(20))
+        );
+    });
+}
+
 /// The wake model: traffic reaching a process that saw none for `park_us` waits `wake_us`
 /// (latency, no core busy); traffic within `park_us` of the last does not.
 #[test]
