@@ -154,26 +154,29 @@ if os.path.exists(f"{out}/link-after.json") and os.path.exists(f"{out}/cal-after
 copy_of = lambda cpu: float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
 # name: (figures, copy ns/B (None: the calibration's), wake by time parked, measured check,
 # loopback capacity factor, each write's cost, a packet's decode, a transfer's threads a side
-# (None: one), the checks' nice value, why)
+# (None: one), why)
 scale = max(1, cores // 4)
 threads = min(4, cores)
 variants = {
-    "T": ("before", None, False, False, 1, False, False, None, nice, f"copy at one socket stream's wall time, one wake"),
-    "W": ("before", None, True, False, 1, False, False, None, nice, f"as T, the wake by time parked (wake_after)"),
-    "E": ("before", 1 / gbs, False, False, 1, False, False, None, nice, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
-    "C": ("before", None, False, True, 1, False, False, None, nice, f"as T, a whole tensor's check at the stubs' measured check"),
-    "K": ("before", None, True, True, 1, False, False, None, nice, f"as W, with the measured check"),
-    "L": ("before", None, True, True, scale, False, False, None, nice, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
-    "P": ("before", None, True, True, scale, True, False, None, nice, f"as L, each write beyond a transfer's first at its measured cost"),
-    "Q": ("before", None, True, True, scale, True, True, None, nice, f"as P, a packet's decode at the fence at its measured cost"),
-    "R": ("both", None, True, True, scale, True, True, None, nice, f"as Q, every figure the mean of those measured before and after the runs"),
-    "S": ("both", None, True, True, scale, True, True, threads, nice, f"as R, a transfer's copies on min(4, cores) = {threads} threads a side"),
+    "T": ("before", None, False, False, 1, False, False, None, f"copy at one socket stream's wall time, one wake"),
+    "W": ("before", None, True, False, 1, False, False, None, f"as T, the wake by time parked (wake_after)"),
+    "E": ("before", 1 / gbs, False, False, 1, False, False, None, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
+    "C": ("before", None, False, True, 1, False, False, None, f"as T, a whole tensor's check at the stubs' measured check"),
+    "K": ("before", None, True, True, 1, False, False, None, f"as W, with the measured check"),
+    "L": ("before", None, True, True, scale, False, False, None, f"as K, the loopback's capacity times max(1, cores / 4) = {scale}"),
+    "P": ("before", None, True, True, scale, True, False, None, f"as L, each write beyond a transfer's first at its measured cost"),
+    "Q": ("before", None, True, True, scale, True, True, None, f"as P, a packet's decode at the fence at its measured cost"),
+    "R": ("both", None, True, True, scale, True, True, None, f"as Q, every figure the mean of those measured before and after the runs"),
+    "S": ("both", None, True, True, scale, True, True, threads, f"as R, a transfer's copies on min(4, cores) = {threads} threads a side"),
 }
+# Every fabric has the runs' nice value but V, which is S without the checks' priority.
+nice_of = {}
 if nice:
-    variants["V"] = ("both", None, True, True, scale, True, True, threads, 0, f"as S, the checks at the data plane's priority (check_nice: 0) while the runs had them at nice {nice}")
+    variants["V"] = variants["S"][:-1] + (f"as S, the checks at the data plane's priority (check_nice: 0) while the runs had them at nice {nice}",)
+    nice_of["V"] = 0
 os.makedirs(f"{out}/predicted", exist_ok=True)
 names = ["encoder", "thinker_prefill", "thinker_decode", "talker", "code2wav"]
-for name, (figures, copy, curve, checked, scale, writes, packets, threads, check_nice, why) in variants.items():
+for name, (figures, copy, curve, checked, scale, writes, packets, threads, why) in variants.items():
     if figures not in sources:
         continue
     rtt_f, gbs_f, cpu, link_from, cpu_from = sources[figures]
@@ -198,7 +201,7 @@ nodes:
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 """ + cpu_section(cpu, f"{copy:.4f}",
                   f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve,
-                  checked, writes, packets, threads, check_nice)
+                  checked, writes, packets, threads, nice_of.get(name, nice))
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY

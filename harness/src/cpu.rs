@@ -24,6 +24,9 @@ use crate::error::{HarnessError, Result};
 /// below the data plane (weight 110 against 1024) that a woken transfer preempts a check.
 pub const DEFAULT_NICE: i32 = 10;
 
+/// The highest nice value Linux has; 0, the data plane's, is the lowest the pool takes.
+pub const MAX_NICE: i32 = 19;
+
 static NICE: AtomicI32 = AtomicI32::new(DEFAULT_NICE);
 /// Built on first use, with the nice value of that moment; `None` when it could not be.
 static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
@@ -37,9 +40,9 @@ pub(crate) const IN_PLACE_BYTES: u64 = 256 << 10;
 /// the pool existed. Call it before the first stage starts: once the pool runs, asking for
 /// another value is an error.
 pub fn set_nice(nice: i32) -> Result<()> {
-    if !(0..=19).contains(&nice) {
+    if !(0..=MAX_NICE).contains(&nice) {
         return Err(HarnessError::Setup(format!(
-            "check nice value {nice}: it must be 0 (the data plane's priority) to 19"
+            "check nice value {nice}: it must be 0 (the data plane's priority) to {MAX_NICE}"
         )));
     }
     let was = self::nice();

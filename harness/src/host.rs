@@ -134,7 +134,7 @@ fn default_check_nice() -> i32 {
 }
 
 /// Linux's weight of a thread at nice 0 to 19 (the scheduler's `sched_prio_to_weight`).
-const NICE_WEIGHT: [f64; 20] = [
+const NICE_WEIGHT: [f64; crate::cpu::MAX_NICE as usize + 1] = [
     1024.0, 820.0, 655.0, 526.0, 423.0, 335.0, 272.0, 215.0, 172.0, 137.0, 110.0, 87.0, 70.0, 56.0,
     45.0, 36.0, 29.0, 23.0, 18.0, 15.0,
 ];
@@ -260,10 +260,11 @@ impl CpuSpec {
         {
             return Err(format!("cpu.check_ns_per_byte: {v} is not in (0, 1e6]"));
         }
-        if !(0..=19).contains(&self.check_nice) {
+        if !(0..=crate::cpu::MAX_NICE).contains(&self.check_nice) {
             return Err(format!(
-                "cpu.check_nice: {} is not in 0..=19",
-                self.check_nice
+                "cpu.check_nice: {} is not in 0..={}",
+                self.check_nice,
+                crate::cpu::MAX_NICE
             ));
         }
         if self.cores > MAX_CORES {
@@ -486,7 +487,7 @@ impl Host {
 
     /// A host of `cores` cores whose stages' CPU work runs at nice `check_nice` (0 to 19).
     pub fn with_check_nice(name: &str, cores: u32, check_nice: i32) -> Self {
-        let nice = check_nice.clamp(0, 19) as usize;
+        let nice = check_nice.clamp(0, crate::cpu::MAX_NICE) as usize;
         Host {
             name: name.into(),
             cores,

@@ -41,7 +41,7 @@ pub struct RunArgs {
     /// so a woken transfer gets a core before them; 0: they run on the runtime's own threads,
     /// at the data plane's priority. `--processes` and `--cluster` pass it to every stage.
     #[arg(long, default_value_t = omnirig_harness::cpu::DEFAULT_NICE,
-          value_parser = clap::value_parser!(i32).range(0..=19))]
+          value_parser = clap::value_parser!(i32).range(0..=i64::from(omnirig_harness::cpu::MAX_NICE)))]
     check_nice: i32,
     /// No per-request progress lines on stderr.
     #[arg(long, short)]

@@ -44,7 +44,7 @@ pub struct StageArgs {
     /// The nice value (0-19) of the threads that generate and check its tensors (see
     /// `omnirig run --check-nice`).
     #[arg(long, default_value_t = omnirig_harness::cpu::DEFAULT_NICE,
-          value_parser = clap::value_parser!(i32).range(0..=19))]
+          value_parser = clap::value_parser!(i32).range(0..=i64::from(omnirig_harness::cpu::MAX_NICE)))]
     check_nice: i32,
 }
 
