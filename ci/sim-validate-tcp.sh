@@ -92,11 +92,12 @@ else
   load "calibration after"
 fi
 
-# The model, from this window's figures alone: eleven fabrics, five stage processes as five
+# The model, from this window's figures alone: up to thirteen fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
 # round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
 # the wake, the check, the loopback's capacity and a transfer's threads:
-#   T: one socket stream's wall time per byte (the calibration's copy), one wake for any
+#   T: the calibration's copy (its wall time per byte on the engine's 4 streams of 512 KiB
+#      writes; one socket stream's before 2026-12-07), one wake for any
 #      pause (`wake_us`, after 10 ms): the committed structure, harness/fabrics/tcp-localhost.yaml;
 #   W: as T, the wake by how long the process was parked (`wake_after`, measured after 1, 10
 #      and 100 ms);
@@ -120,6 +121,8 @@ fi
 #      engine's 4 streams on the process's runtime workers, one per core), so while the
 #      cores are contended a transfer gets that many shares of them, as Linux shares cores
 #      by thread.
+#   O: as S, the copy at one socket stream's wall time per byte (the calibration's copy before
+#      2026-12-07; the mean of both calibrations' `copy_one_stream_ns_per_byte`).
 #   V: as S, the stages' checks at the data plane's priority (`check_nice: 0`) while the runs
 #      had them at CHECK_NICE: what the model says without the checks' own pool (no V when
 #      CHECK_NICE is 0). Every other fabric has the runs' `check_nice`.
@@ -152,13 +155,17 @@ if os.path.exists(f"{out}/link-after.json") and os.path.exists(f"{out}/cal-after
     except ValueError as e:  # the other fabrics still stand
         print(f"no fabric R or S: {e}")
 copy_of = lambda cpu: float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
+def one_stream():  # the calibrations' copy over one socket stream (the mean of both), or None
+    got = [json.load(open(f"{out}/{d}/cpu-calibration.json")).get("copy_one_stream_ns_per_byte")
+           for d in ("cal", "cal-after") if os.path.exists(f"{out}/{d}/cpu-calibration.json")]
+    return sum(got) / len(got) if len(got) == 2 and None not in got else None
 # name: (figures, copy ns/B (None: the calibration's), wake by time parked, measured check,
 # loopback capacity factor, each write's cost, a packet's decode, a transfer's threads a side
 # (None: one), why)
 scale = max(1, cores // 4)
 threads = min(4, cores)
 variants = {
-    "T": ("before", None, False, False, 1, False, False, None, f"copy at one socket stream's wall time, one wake"),
+    "T": ("before", None, False, False, 1, False, False, None, f"copy at the calibration's wall time on the engine's streams, one wake"),
     "W": ("before", None, True, False, 1, False, False, None, f"as T, the wake by time parked (wake_after)"),
     "E": ("before", 1 / gbs, False, False, 1, False, False, None, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
     "C": ("before", None, False, True, 1, False, False, None, f"as T, a whole tensor's check at the stubs' measured check"),
@@ -169,6 +176,9 @@ variants = {
     "R": ("both", None, True, True, scale, True, True, None, f"as Q, every figure the mean of those measured before and after the runs"),
     "S": ("both", None, True, True, scale, True, True, threads, f"as R, a transfer's copies on min(4, cores) = {threads} threads a side"),
 }
+if one_stream() is not None:
+    variants["O"] = ("both", one_stream(), True, True, scale, True, True, threads,
+                     "as S, the copy at one socket stream's wall time (the calibration's copy before 2026-12-07)")
 # Every fabric has the runs' nice value but V, which is S without the checks' priority.
 nice_of = {}
 if nice:
@@ -206,7 +216,7 @@ placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E C K L P Q R S V; do
+  for f in T W E C K L P Q R S V O; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \

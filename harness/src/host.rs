@@ -864,8 +864,20 @@ impl StageCpu {
 pub struct Calibration {
     pub generate_ns_per_byte: f64,
     pub digest_ns_per_byte: f64,
+    /// A bulk copy over 127.0.0.1 as the tcp engine moves one: its default streams (a
+    /// socket each, a writer and a reader thread a socket) in its default slices, wall time
+    /// per byte. Printed as the `cpu:` section's `copy_ns_per_byte`.
     pub copy_ns_per_byte: f64,
-    /// What each copying thread itself spent on a CPU per byte (Linux), for the record.
+    /// The same copy over one socket stream in 1 MiB writes, for the record: what
+    /// `copy_ns_per_byte` was before 2026-12-07. One stream's copy is bound by the two
+    /// threads handing the socket's buffer back and forth, not by the bytes; on an AMD EPYC
+    /// host it came out 1.5-2.5x the engine's (docs/sim.md).
+    pub copy_one_stream_ns_per_byte: f64,
+    /// Streams and slice size `copy_ns_per_byte` was measured with.
+    pub copy_streams: usize,
+    pub copy_slice_bytes: u64,
+    /// What each copying thread itself spent on a CPU per byte (Linux), over one stream, for
+    /// the record.
     pub copy_thread_cpu_ns_per_byte: Option<f64>,
     /// The decode stage's KV check over one plain buffer, block by block (each block that
     /// arrived digested, each expected block generated and digested), and the block size: a
@@ -940,8 +952,8 @@ fn timed(mut f: impl FnMut()) -> f64 {
 }
 
 /// Measures, on this machine, what the host model charges: generating fixture bytes (the
-/// stubs' generator), XXH3-128 over bytes, a TCP copy over 127.0.0.1 (a writer and a reader
-/// thread; the CPU time each spends, averaged, is a side's cost) and
+/// stubs' generator), XXH3-128 over bytes, a TCP copy over 127.0.0.1 (on the tcp engine's
+/// streams and slices, wall time per byte a side's cost; one stream's kept for the record) and
 /// a small control frame's round trip (a round trip is two messages, each costing its
 /// sender and its receiver: `message_us` = round trip / 4). `bytes` per throughput.
 pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
@@ -1075,10 +1087,14 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
     rtts.sort_by(f64::total_cmp);
     let rtt_us = rtts[rtts.len() / 2] / 1e3;
     let per = |ns: f64| ns / bytes as f64;
+    let tcp = omnirig_transports::TcpConfig::default();
     Ok(Calibration {
         generate_ns_per_byte: per(generate),
         digest_ns_per_byte: per(digest),
-        copy_ns_per_byte: per(copies[1]),
+        copy_ns_per_byte: per(copy_on_streams(&buf, tcp.streams, tcp.slice_size)?),
+        copy_one_stream_ns_per_byte: per(copies[1]),
+        copy_streams: tcp.streams,
+        copy_slice_bytes: tcp.slice_size,
         copy_thread_cpu_ns_per_byte: threads.get(threads.len() / 2).map(|&x| per(x)),
         kv_verify_ns_per_byte: per(kv_verify),
         kv_verify_pool_ns_per_byte: kv_verify_pool,
@@ -1101,6 +1117,60 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         bytes,
         round_trips: round_trips.max(1),
     })
+}
+
+/// `buf` copied over 127.0.0.1 on `streams` sockets at once in writes of `slice` bytes,
+/// each socket's share by a writer thread into a reader thread, as the tcp engine spreads a
+/// transfer's slices over its streams: wall time from the first write to the last byte read,
+/// the median of three, in ns.
+fn copy_on_streams(buf: &[u8], streams: usize, slice: u64) -> std::io::Result<f64> {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    let streams = streams.max(1);
+    let slice = (slice.max(1) as usize).min(buf.len().max(1));
+    let share = buf.len().div_ceil(streams);
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let mut pairs = Vec::with_capacity(streams);
+    for _ in 0..streams {
+        let out = TcpStream::connect(addr)?;
+        let (inbound, _) = listener.accept()?;
+        out.set_nodelay(true)?;
+        inbound.set_nodelay(true)?;
+        pairs.push((out, inbound));
+    }
+    let mut runs = Vec::with_capacity(3);
+    for _ in 0..3 {
+        let t0 = std::time::Instant::now();
+        std::thread::scope(|scope| -> std::io::Result<()> {
+            let mut joins = Vec::with_capacity(2 * streams);
+            for ((out, inbound), part) in pairs.iter_mut().zip(buf.chunks(share)) {
+                let want = part.len();
+                joins.push(scope.spawn(move || -> std::io::Result<()> {
+                    part.chunks(slice).try_for_each(|c| out.write_all(c))
+                }));
+                joins.push(scope.spawn(move || -> std::io::Result<()> {
+                    let mut chunk = vec![0u8; slice];
+                    let mut left = want;
+                    while left > 0 {
+                        let n = inbound.read(&mut chunk[..left.min(slice)])?;
+                        if n == 0 {
+                            return Err(std::io::ErrorKind::UnexpectedEof.into());
+                        }
+                        left -= n;
+                    }
+                    Ok(())
+                }));
+            }
+            joins.into_iter().try_for_each(|j| {
+                j.join()
+                    .map_err(|_| std::io::Error::other("calibration copy thread panicked"))?
+            })
+        })?;
+        runs.push(t0.elapsed().as_nanos() as f64);
+    }
+    runs.sort_by(f64::total_cmp);
+    Ok(runs[1])
 }
 
 /// The decode stage's KV check as the stage runs it, in ns per byte: about `bytes` of KV
@@ -1491,7 +1561,8 @@ impl Calibration {
         let gbs = |ns: f64| if ns > 0.0 { 1.0 / ns } else { 0.0 };
         let mut y = format!(
             "# Measured by `omnirig simulate --calibrate-cpu` over {} MiB and {} round trips:\n\
-             # generate {:.2} GB/s, XXH3-128 {:.2} GB/s, tcp copy {:.2} GB/s, round trip {:.1} us.\n\
+             # generate {:.2} GB/s, XXH3-128 {:.2} GB/s, tcp copy {:.2} GB/s on {} streams of {} KiB writes\n\
+             # (one stream: {:.2} GB/s), round trip {:.1} us.\n\
              cpu:\n  generate_ns_per_byte: {:.4}\n  digest_ns_per_byte: {:.4}\n  copy_ns_per_byte: {:.4}\n  message_us: {:.2}\n\
              \x20 # the KV check ({} KiB blocks): {:.4} ns/B over one buffer, as the stage runs it in its pool:\n  kv_check_ns_per_byte: {:.4}\n",
             self.bytes >> 20,
@@ -1499,6 +1570,9 @@ impl Calibration {
             gbs(self.generate_ns_per_byte),
             gbs(self.digest_ns_per_byte),
             gbs(self.copy_ns_per_byte),
+            self.copy_streams,
+            self.copy_slice_bytes >> 10,
+            gbs(self.copy_one_stream_ns_per_byte),
             self.round_trip_us,
             self.generate_ns_per_byte,
             self.digest_ns_per_byte,

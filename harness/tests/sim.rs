@@ -804,6 +804,23 @@ fn the_calibration_parses_back_as_a_fabric() {
         "{section}"
     );
     assert_eq!(cpu.hosts[0].nodes.len(), nodes.len());
+    // The copy charged is the one on the tcp engine's streams and slices; one stream's is kept.
+    let tcp = omnirig_transports::TcpConfig::default();
+    assert_eq!(
+        (c.copy_streams, c.copy_slice_bytes),
+        (tcp.streams, tcp.slice_size),
+        "{c:?}"
+    );
+    assert_eq!(
+        format!("{:.4}", cpu.copy_ns_per_byte),
+        format!("{:.4}", c.copy_ns_per_byte),
+        "{section}"
+    );
+    assert!(c.copy_one_stream_ns_per_byte > 0.0, "{c:?}");
+    assert!(
+        section.contains(&format!("on {} streams of 512 KiB writes", tcp.streams)),
+        "{section}"
+    );
     // the decode stage's KV check: over one buffer a record, in the stage's pool the charge
     assert!(
         c.kv_verify_ns_per_byte > 0.0 && c.kv_block_bytes == 16 << 10,
