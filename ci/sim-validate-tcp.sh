@@ -92,7 +92,7 @@ else
   load "calibration after"
 fi
 
-# The model, from this window's figures alone: up to thirteen fabrics, five stage processes as five
+# The model, from this window's figures alone: up to fourteen fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
 # round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
 # the wake, the check, the loopback's capacity and a transfer's threads:
@@ -121,6 +121,10 @@ fi
 #      engine's 4 streams on the process's runtime workers, one per core), so while the
 #      cores are contended a transfer gets that many shares of them, as Linux shares cores
 #      by thread.
+#   H: as S, each write beyond a transfer's first to an owner parked 2 ms or more pays the
+#      calibration's `cold_write_us` (an engine's 32 writes after a 10 ms pause against one
+#      write after it): on a virtual machine whose CPUs halt when idle, every handoff of
+#      such a transfer wakes a halted CPU (docs/sim.md).
 #   O: as S, the copy at one socket stream's wall time per byte (the calibration's copy before
 #      2026-12-07; the mean of both calibrations' `copy_one_stream_ns_per_byte`).
 #   V: as S, the stages' checks at the data plane's priority (`check_nice: 0`) while the runs
@@ -129,7 +133,7 @@ fi
 python3 - "$out" "$(nproc)" "$nice" << 'PY'
 import json, os, re, sys
 sys.path.insert(0, "ci")
-from sim_fabric import check, cpu_section, mean_calibration, packet, per_write, wake_after
+from sim_fabric import check, cold_write, cpu_section, mean_calibration, packet, per_write, wake_after
 out, cores, nice = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def link(name):  # a link bench's 4 KiB write round trip (us) and 16 MiB write rate (GB/s)
     rows = json.load(open(f"{out}/{name}"))["rows"]
@@ -179,6 +183,9 @@ variants = {
 if one_stream() is not None:
     variants["O"] = ("both", one_stream(), True, True, scale, True, True, threads,
                      "as S, the copy at one socket stream's wall time (the calibration's copy before 2026-12-07)")
+# H: S with each write of a transfer to a long-parked owner at its measured extra cost.
+variants["H"] = variants["S"][:-1] + ("as S, each write beyond a transfer's first to an owner parked 2 ms or more at its measured extra cost (cold_write_us)",)
+cold_of = {"H"}
 # Every fabric has the runs' nice value but V, which is S without the checks' priority.
 nice_of = {}
 if nice:
@@ -194,7 +201,8 @@ for name, (figures, copy, curve, checked, scale, writes, packets, threads, why) 
     switch = max(rtt_f / 2 - 4, 0)  # one way: 2 us in each process's socket, the rest in the loopback
     gbps = f"{gbs_f * 8 * scale:.3f}"  # the loopback's NICs and switch
     if ((curve and not wake_after(cpu)) or (checked and not check(cpu))
-            or (writes and not per_write(cpu)) or (packets and not packet(cpu))):
+            or (writes and not per_write(cpu)) or (packets and not packet(cpu))
+            or (name in cold_of and not cold_write(cpu))):
         continue
     nodes = "".join(f"  - {{ name: {n}, nics: [{{ name: lo, gbps: {gbps}, latency_us: 2 }}], "
                     f"local: {{ gbps: 80, latency_us: 1 }} }}\n" for n in names)
@@ -211,12 +219,12 @@ nodes:
 placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 """ + cpu_section(cpu, f"{copy:.4f}",
                   f"    - {{ name: localhost, cores: {cores}, nodes: [{', '.join(names)}] }}\n", curve,
-                  checked, writes, packets, threads, nice_of.get(name, nice))
+                  checked, writes, packets, threads, nice_of.get(name, nice), name in cold_of)
     open(f"{out}/predicted/fabric-{name}.yaml", "w").write(text)
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E C K L P Q R S V O; do
+  for f in T W E C K L P Q R S V O H; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \

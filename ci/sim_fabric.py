@@ -25,6 +25,12 @@ def per_write(cal):
     return _lines(cal, r"^  write_us: .*\n")
 
 
+def cold_write(cal):
+    """The calibration's cost of each write beyond a transfer's first to an owner parked for
+    long (a halted CPU woken for each), its line as written."""
+    return _lines(cal, r"^  cold_write_us: .*\n")
+
+
 def packet(cal):
     """The calibration's decode of a packet at the fence (per packet, per entry), its lines as
     written."""
@@ -32,20 +38,21 @@ def packet(cal):
 
 
 def cpu_section(cal, copy, hosts, curve=False, checked=False, writes=False, packets=False,
-                threads=None, check_nice=None):
+                threads=None, check_nice=None, cold=False):
     """The section from calibration text `cal`, with the copy cost `copy` (ns/B, formatted),
     the `hosts` lines (each ending in a newline), the wake by time parked when `curve`, the
     measured whole-tensor check when `checked`, each write's own cost when `writes`, a
     packet's decode when `packets`, and a transfer's copies on `threads` threads a side
-    (`transfer_threads`) when set, and the stages' checks at nice `check_nice` when set (the
-    model's default otherwise: `omnirig run`'s, 10)."""
+    (`transfer_threads`) when set, the stages' checks at nice `check_nice` when set (the
+    model's default otherwise: `omnirig run`'s, 10), and each write of a transfer to a
+    long-parked owner at its measured extra cost (`cold_write_us`) when `cold`."""
     val = lambda k: re.search(rf"^  {k}: ([0-9.]+)", cal, re.M).group(1)
     return f"""cpu:
   generate_ns_per_byte: {val("generate_ns_per_byte")}
   digest_ns_per_byte: {val("digest_ns_per_byte")}
   copy_ns_per_byte: {copy}
   message_us: {val("message_us")}
-{per_write(cal) if writes else ""}{f"  transfer_threads: {threads}{chr(10)}" if threads else ""}{packet(cal) if packets else ""}  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
+{per_write(cal) if writes else ""}{cold_write(cal) if cold else ""}{f"  transfer_threads: {threads}{chr(10)}" if threads else ""}{packet(cal) if packets else ""}  kv_check_ns_per_byte: {val("kv_check_ns_per_byte")}
 {check(cal) if checked else ""}{f"  check_nice: {check_nice}{chr(10)}" if check_nice is not None else ""}  wake_us: {val("wake_us")}
 {wake_after(cal) if curve else ""}  hosts:
 {hosts}"""

@@ -61,6 +61,20 @@ pub struct CpuSpec {
     /// request, where it comes to milliseconds (docs/sim.md).
     #[serde(default)]
     pub write_us: f64,
+    /// What each write of a transfer beyond its first costs more, as latency, when the
+    /// owner's process had been parked for at least `cold_after_us` (or saw no traffic yet):
+    /// on a virtual machine whose CPUs halt when idle, every handoff of such a transfer wakes
+    /// a halted CPU, not only its first. `--calibrate-cpu` measures it from an engine's batch
+    /// of 4 KiB writes after a 10 ms pause against one write after the same pause, each less
+    /// its back-to-back time (docs/sim.md). 0 (the default): no such cost.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cold_write_us: f64,
+    /// How long the owner must have been parked for its writes to pay `cold_write_us`.
+    #[serde(
+        default = "default_cold_after_us",
+        skip_serializing_if = "is_default_cold_after_us"
+    )]
+    pub cold_after_us: f64,
     /// Threads a transfer's copies run on, on each side, when it has that many writes: the
     /// engine's streams, which run on the process's runtime workers. When the cores are
     /// contended a transfer gets this many shares of them, as Linux shares cores by thread
@@ -143,6 +157,20 @@ fn default_park_us() -> f64 {
     50.0
 }
 
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
+}
+
+/// Measured on a 2-core virtual machine: a batch of 32 writes after 1 ms of idle ran as fast
+/// as back to back, after 2 ms and more (up to 30) 2.6-3.0x slower (docs/sim.md).
+fn default_cold_after_us() -> f64 {
+    2000.0
+}
+
+fn is_default_cold_after_us(v: &f64) -> bool {
+    *v == default_cold_after_us()
+}
+
 fn default_transfer_threads() -> u32 {
     1
 }
@@ -173,6 +201,8 @@ impl Default for CpuSpec {
             copy_ns_per_byte: 0.0,
             message_us: 0.0,
             write_us: 0.0,
+            cold_write_us: 0.0,
+            cold_after_us: default_cold_after_us(),
             transfer_threads: default_transfer_threads(),
             packet_us: 0.0,
             packet_entry_us: 0.0,
@@ -211,6 +241,8 @@ impl CpuSpec {
             ("copy_ns_per_byte", self.copy_ns_per_byte, 1e6),
             ("message_us", self.message_us, 1e7),
             ("write_us", self.write_us, 1e7),
+            ("cold_write_us", self.cold_write_us, 1e7),
+            ("cold_after_us", self.cold_after_us, 1e9),
             ("packet_us", self.packet_us, 1e7),
             ("packet_entry_us", self.packet_entry_us, 1e7),
             ("check_us", self.check_us, 1e7),
@@ -315,11 +347,22 @@ impl CpuSpec {
             && self.copy_ns_per_byte == 0.0
             && self.message_us == 0.0
             && self.write_us == 0.0
+            && self.cold_write_us == 0.0
             && self.packet_us == 0.0
             && self.packet_entry_us == 0.0
             && self.check_us == 0.0
             && self.wake_us == 0.0
             && self.wake_after.iter().all(|p| p.wake_us == 0.0)
+    }
+
+    /// What a transfer of `writes` writes pays beyond its wakes, in microseconds, when its
+    /// owner was parked for `idle_us` (None: it saw no traffic yet): `cold_write_us` for each
+    /// write beyond the first once the owner was parked for `cold_after_us`, else nothing.
+    pub fn cold_writes_us(&self, idle_us: Option<f64>, writes: usize) -> f64 {
+        if idle_us.is_some_and(|t| t < self.cold_after_us) {
+            return 0.0;
+        }
+        writes.saturating_sub(1) as f64 * self.cold_write_us
     }
 
     /// The wake, in microseconds, of a process parked for `idle_us` (None: it saw no
@@ -665,6 +708,16 @@ impl Cpu {
         Duration::from_nanos((us * 1e3 * self.scale as f64).round() as u64)
     }
 
+    /// How long stage process `process` has seen no traffic, in modelled microseconds (None:
+    /// none yet).
+    pub fn idle_us(&self, process: &str) -> Option<f64> {
+        let l = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        l.get(process).map(|&t| {
+            let idle = Instant::now().saturating_duration_since(t);
+            idle.as_nanos() as f64 / 1e3 / self.scale as f64
+        })
+    }
+
     /// Traffic at stage process `process` now: it stays hot for `park_us`.
     pub fn touch(&self, process: &str) {
         let mut l = self.last.lock().unwrap_or_else(|p| p.into_inner());
@@ -679,14 +732,7 @@ impl Cpu {
         if self.spec.wake_us == 0.0 && self.spec.wake_after.is_empty() {
             return;
         }
-        let idle_us = {
-            let l = self.last.lock().unwrap_or_else(|p| p.into_inner());
-            l.get(process).map(|&t| {
-                let idle = Instant::now().saturating_duration_since(t);
-                idle.as_nanos() as f64 / 1e3 / self.scale as f64
-            })
-        };
-        let wake = self.spec.wake_for(idle_us);
+        let wake = self.spec.wake_for(self.idle_us(process));
         if wake > 0.0 {
             tokio::time::sleep(self.us(wake)).await;
         }
@@ -816,7 +862,8 @@ impl StageCpu {
     }
 
     /// A transfer `t` of `bytes` in `writes` requests to the peer: the owner's process wakes
-    /// for it if parked, the copies run beside it ([`copy`](Self::copy)), and this process,
+    /// for it if parked (and, parked for `cold_after_us`, its writes beyond the first pay
+    /// `cold_write_us` each, [`CpuSpec::cold_writes_us`]), the copies run beside it ([`copy`](Self::copy)), and this process,
     /// which waited, wakes for its completion if the wait outlasted its busy-poll.
     pub async fn transfer<F: std::future::Future>(
         &self,
@@ -828,7 +875,12 @@ impl StageCpu {
         let owner = self.peer_process.as_deref().map(engine_thread);
         self.cpu.touch(&me);
         if let Some(p) = &owner {
+            // Read before the wake touches it: how long the owner was parked.
+            let cold = self.cpu.spec().cold_writes_us(self.cpu.idle_us(p), writes);
             self.cpu.wake(p).await;
+            if cold > 0.0 {
+                tokio::time::sleep(self.cpu.us(cold)).await;
+            }
         }
         let r = tokio::join!(t, self.copy(bytes, writes)).0;
         if let Some(p) = &owner {
@@ -890,6 +942,9 @@ pub struct Calibration {
     pub kv_verify_pool_ns_per_byte: f64,
     pub kv_block_bytes: u64,
     pub message_us: f64,
+    /// A cold transfer's cost per write beyond its first ([`CpuSpec::cold_write_us`]),
+    /// fitted by [`Calibration::with_writes`]; 0 until measured.
+    pub cold_write_us: f64,
     /// A write's own cost in a batch ([`CpuSpec::write_us`]), fitted by
     /// [`Calibration::with_writes`] from `writes_from`; 0 until measured.
     pub write_us: f64,
@@ -1112,6 +1167,7 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         packet_entry_us: 0.0,
         packets: Vec::new(),
         write_us: 0.0,
+        cold_write_us: 0.0,
         writes_from: None,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         bytes,
@@ -1447,17 +1503,34 @@ pub struct BatchSample {
     pub single_us: f64,
     /// The batch, p50 us (median of the repeats).
     pub batch_us: f64,
+    /// One write and the batch after `cold_gap_us` of pause, p50 us (medians of the
+    /// repeats), where measured: what [`CpuSpec::cold_write_us`] is read from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cold_single_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cold_batch_us: Option<f64>,
+    pub cold_gap_us: u64,
     pub repeats: usize,
 }
 
 impl Calibration {
     /// Sets a write's own cost from a batch against one write: each write beyond the first
     /// adds (batch - single) / (batch size - 1).
+    /// Where the batch and one write were also timed after a pause, each write beyond the
+    /// first pays what the pause added to the batch beyond what it added to one write (the
+    /// wakes), spread over those writes: `cold_write_us`.
     pub fn with_writes(mut self, b: BatchSample) -> Self {
-        self.write_us = if b.batch > 1 {
-            ((b.batch_us - b.single_us) / (b.batch - 1) as f64).max(0.0)
+        let beyond = b.batch.saturating_sub(1) as f64;
+        (self.write_us, self.cold_write_us) = if beyond > 0.0 {
+            let cold = match (b.cold_single_us, b.cold_batch_us) {
+                (Some(one), Some(all)) => {
+                    (((all - b.batch_us) - (one - b.single_us)) / beyond).max(0.0)
+                }
+                _ => 0.0,
+            };
+            (((b.batch_us - b.single_us) / beyond).max(0.0), cold)
         } else {
-            0.0
+            (0.0, 0.0)
         };
         self.writes_from = Some(b);
         self
@@ -1610,6 +1683,17 @@ impl Calibration {
                 b.single_us,
                 self.write_us,
             );
+            if let (Some(one), Some(all)) = (b.cold_single_us, b.cold_batch_us) {
+                y += &format!(
+                    "  # the same batch and one write after {} ms idle: {:.1} us, {:.1} us
+  cold_write_us: {:.2}
+",
+                    b.cold_gap_us / 1000,
+                    all,
+                    one,
+                    self.cold_write_us,
+                );
+            }
         }
         if let Some(w) = &self.wake_from {
             y += &format!(

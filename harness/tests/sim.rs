@@ -655,6 +655,49 @@ fn a_transfer_pays_for_each_write_beyond_its_first() {
     refused_on_localhost("  check_nice: -1", "cpu.check_nice: -1");
 }
 
+/// A transfer to an owner parked for `cold_after_us` or more (here: one that saw no traffic
+/// yet) pays `cold_write_us` for each write beyond its first, as latency; an owner parked
+/// for less pays nothing more.
+#[test]
+fn a_transfer_to_a_long_parked_owner_pays_for_each_write_beyond_its_first() {
+    let (s, cpu) = image_audio_on_localhost();
+    let run = |cold_write_us: f64| {
+        let r = passing_run(
+            &s,
+            omnirig_harness::host::CpuSpec {
+                cold_write_us,
+                ..cpu.clone()
+            },
+        );
+        r.requests[0]
+            .hops
+            .iter()
+            .map(|h| (h.hop.clone(), (h.requests, h.transfer_ms)))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (hot, cold) = (run(0.0), run(1000.0));
+    assert_eq!(hot["kv_cache"].0, 96);
+    for (hop, (n, ms)) in &hot {
+        let extra = cold[hop].1 - ms;
+        let want = (*n as f64 - 1.0) * 1.0;
+        assert!(
+            (extra - want).abs() <= 0.02 * want.max(1.0),
+            "{hop}: {n} writes, {ms} ms hot, {} ms after the owner parked",
+            cold[hop].1
+        );
+    }
+    let spec = omnirig_harness::host::CpuSpec {
+        cold_write_us: 50.0,
+        ..Default::default()
+    };
+    assert_eq!(spec.cold_writes_us(None, 5), 200.0);
+    assert_eq!(spec.cold_writes_us(Some(2000.0), 5), 200.0);
+    assert_eq!(spec.cold_writes_us(Some(1999.0), 5), 0.0);
+    assert_eq!(spec.cold_writes_us(Some(1e6), 1), 0.0);
+    refused_on_localhost("  cold_write_us: -1", "cpu.cold_write_us: -1");
+    refused_on_localhost("  cold_after_us: 2e9", "cpu.cold_after_us: 2000000000");
+}
+
 /// The packet connector's consumer pays for decoding the packet when it fences the grants
 /// (`packet_us`, and `packet_entry_us` per entry), in the verify phase of thinker -> talker
 /// (five entries) and talker -> code2wav (one), not on the other connectors' hops.
@@ -847,7 +890,9 @@ fn the_calibration_parses_back_as_a_fabric() {
     };
     assert_eq!(cpu.write_us, 0.0, "{section}");
     // A write's own cost: a batch of 32 in 800 us against 25 us for one: 25 us each beyond
-    // the first.
+    // the first. After the pause the batch took 2575 us and one write 250: the pause added
+    // 1775 us to the batch, 1550 beyond the 225 it added to one write, 50 us for each of the
+    // 31 writes beyond the first.
     let checked = c
         .clone()
         .with_writes(omnirig_harness::host::BatchSample {
@@ -855,6 +900,9 @@ fn the_calibration_parses_back_as_a_fabric() {
             batch: 32,
             single_us: 25.0,
             batch_us: 800.0,
+            cold_single_us: Some(250.0),
+            cold_batch_us: Some(2575.0),
+            cold_gap_us: 10_000,
             repeats: 3,
         })
         .with_checks(vec![
@@ -892,6 +940,8 @@ fn the_calibration_parses_back_as_a_fabric() {
     assert_eq!(cpu.check_ns_per_byte, Some(3.0), "{section}");
     assert_eq!(format!("{:.1}", cpu.check_us), "7.9", "{section}");
     assert_eq!(cpu.write_us, 25.0, "{section}");
+    assert_eq!(cpu.cold_write_us, 50.0, "{section}");
+    assert_eq!(cpu.cold_after_us, 2000.0, "{section}");
     // the packets' decode: medians 20 us at one entry and 34 us at five (the two-entry
     // packet is neither), so 3.5 us an entry and 16.5 a packet
     assert_eq!(

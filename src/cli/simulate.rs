@@ -155,22 +155,17 @@ fn measure_engine_writes() -> anyhow::Result<(
     };
     let mut hot = Vec::new();
     let mut batched = Vec::new();
+    let mut cold_batched = Vec::new();
     let mut cold = vec![Vec::new(); WAKE_AFTER_GAPS.len()];
     for _ in 0..WAKE_REPEATS {
         hot.push(p50(std::time::Duration::ZERO, 1)?);
         batched.push(p50(std::time::Duration::ZERO, WRITE_BATCH)?);
+        cold_batched.push(p50(WAKE_GAP, WRITE_BATCH)?);
         for (c, gap) in cold.iter_mut().zip(WAKE_AFTER_GAPS) {
             c.push(p50(gap, 1)?);
         }
     }
     let hot_us = median(&mut hot);
-    let writes = omnirig_harness::host::BatchSample {
-        size: 4096,
-        batch: WRITE_BATCH,
-        single_us: hot_us,
-        batch_us: median(&mut batched),
-        repeats: WAKE_REPEATS,
-    };
     let after: Vec<_> = cold
         .iter_mut()
         .zip(WAKE_AFTER_GAPS)
@@ -186,6 +181,16 @@ fn measure_engine_writes() -> anyhow::Result<(
         .find(|w| w.gap_us == WAKE_GAP.as_micros() as u64)
         .cloned()
         .context("WAKE_AFTER_GAPS holds WAKE_GAP")?;
+    let writes = omnirig_harness::host::BatchSample {
+        size: 4096,
+        batch: WRITE_BATCH,
+        single_us: hot_us,
+        batch_us: median(&mut batched),
+        cold_single_us: Some(at_gap.cold_us),
+        cold_batch_us: Some(median(&mut cold_batched)),
+        cold_gap_us: WAKE_GAP.as_micros() as u64,
+        repeats: WAKE_REPEATS,
+    };
     Ok((at_gap, after, writes))
 }
 
