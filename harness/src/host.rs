@@ -28,6 +28,7 @@ use tokio::time::{Duration, Instant};
 ///   copy_ns_per_byte: 0.35      # a transport copying a byte, on each side (tcp send / recv)
 ///   message_us: 12              # per control message, on each side (encode, syscall, wake-up)
 ///   write_us: 25                # per write of a transfer beyond its first, on each side
+///   cold_write_us: 50           # and more, as latency, to an owner parked cold_after_us (2 ms)
 ///   transfer_threads: 2         # a transfer's copies on this many threads a side (default 1)
 ///   packet_us: 15               # a packet handoff's sidecar decoded at the fence ...
 ///   packet_entry_us: 5          # ... and each of its entries
@@ -62,7 +63,8 @@ pub struct CpuSpec {
     #[serde(default)]
     pub write_us: f64,
     /// What each write of a transfer beyond its first costs more, as latency, when the
-    /// owner's process had been parked for at least `cold_after_us` (or saw no traffic yet):
+    /// owner's process had been parked for at least `cold_after_us` (or saw no traffic yet)
+    /// and a core of its host is idle:
     /// on a virtual machine whose CPUs halt when idle, every handoff of such a transfer wakes
     /// a halted CPU, not only its first. `--calibrate-cpu` measures it from an engine's batch
     /// of 4 KiB writes after a 10 ms pause against one write after the same pause, each less
@@ -620,6 +622,13 @@ impl Host {
         }
     }
 
+    /// Whether a core of this host is idle now: its running jobs' threads fewer than its
+    /// cores (always, with cores unbounded).
+    pub fn has_idle_core(&self) -> bool {
+        let threads: u64 = self.lock().jobs.iter().map(|j| u64::from(j.threads)).sum();
+        self.cores == 0 || threads < u64::from(self.cores)
+    }
+
     /// Work charged so far, in tokio time.
     pub fn busy(&self) -> Duration {
         Duration::from_nanos(self.lock().busy as u64)
@@ -862,8 +871,9 @@ impl StageCpu {
     }
 
     /// A transfer `t` of `bytes` in `writes` requests to the peer: the owner's process wakes
-    /// for it if parked (and, parked for `cold_after_us`, its writes beyond the first pay
-    /// `cold_write_us` each, [`CpuSpec::cold_writes_us`]), the copies run beside it ([`copy`](Self::copy)), and this process,
+    /// for it if parked (and, parked for `cold_after_us` while a core of its host is idle,
+    /// its writes beyond the first pay `cold_write_us` each, [`CpuSpec::cold_writes_us`]),
+    /// the copies run beside it ([`copy`](Self::copy)), and this process,
     /// which waited, wakes for its completion if the wait outlasted its busy-poll.
     pub async fn transfer<F: std::future::Future>(
         &self,
@@ -875,8 +885,13 @@ impl StageCpu {
         let owner = self.peer_process.as_deref().map(engine_thread);
         self.cpu.touch(&me);
         if let Some(p) = &owner {
-            // Read before the wake touches it: how long the owner was parked.
-            let cold = self.cpu.spec().cold_writes_us(self.cpu.idle_us(p), writes);
+            // Read before the wake touches it: how long the owner was parked. Its writes pay
+            // for waking a halted core only where one of its host's cores is idle.
+            let idle_core = self.peer.as_ref().is_none_or(|h| h.has_idle_core());
+            let cold = match idle_core {
+                true => self.cpu.spec().cold_writes_us(self.cpu.idle_us(p), writes),
+                false => 0.0,
+            };
             self.cpu.wake(p).await;
             if cold > 0.0 {
                 tokio::time::sleep(self.cpu.us(cold)).await;

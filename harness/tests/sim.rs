@@ -656,8 +656,9 @@ fn a_transfer_pays_for_each_write_beyond_its_first() {
 }
 
 /// A transfer to an owner parked for `cold_after_us` or more (here: one that saw no traffic
-/// yet) pays `cold_write_us` for each write beyond its first, as latency; an owner parked
-/// for less pays nothing more.
+/// yet), while a core of its host is idle, pays `cold_write_us` for each write beyond its
+/// first, as latency; an owner parked for less, or on a host whose cores are all busy, pays
+/// nothing more.
 #[test]
 fn a_transfer_to_a_long_parked_owner_pays_for_each_write_beyond_its_first() {
     let (s, cpu) = image_audio_on_localhost();
@@ -694,6 +695,21 @@ fn a_transfer_to_a_long_parked_owner_pays_for_each_write_beyond_its_first() {
     assert_eq!(spec.cold_writes_us(Some(2000.0), 5), 200.0);
     assert_eq!(spec.cold_writes_us(Some(1999.0), 5), 0.0);
     assert_eq!(spec.cold_writes_us(Some(1e6), 1), 0.0);
+    // Only where a core of the owner's host is idle: its CPUs halt only then.
+    let rt = paused_runtime();
+    rt.block_on(async {
+        let host = omnirig_harness::host::Host::new("two", 2);
+        assert!(host.has_idle_core());
+        let busy = host.run_on(std::time::Duration::from_millis(10), 2);
+        tokio::pin!(busy);
+        tokio::select! {
+            _ = &mut busy => panic!("10 ms of work done at once"),
+            _ = tokio::time::sleep(std::time::Duration::from_millis(1)) => {}
+        }
+        assert!(!host.has_idle_core(), "two threads on two cores");
+        busy.await;
+        assert!(host.has_idle_core());
+    });
     refused_on_localhost("  cold_write_us: -1", "cpu.cold_write_us: -1");
     refused_on_localhost("  cold_after_us: 2e9", "cpu.cold_after_us: 2000000000");
 }
