@@ -96,8 +96,7 @@ fi
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
 # round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
 # the wake, the check, the loopback's capacity and a transfer's threads:
-#   T: the calibration's copy (its wall time per byte on the engine's 4 streams of 512 KiB
-#      writes; one socket stream's before 2026-12-07), one wake for any
+#   T: one socket stream's wall time per byte (the calibration's copy), one wake for any
 #      pause (`wake_us`, after 10 ms): the committed structure, harness/fabrics/tcp-localhost.yaml;
 #   W: as T, the wake by how long the process was parked (`wake_after`, measured after 1, 10
 #      and 100 ms);
@@ -125,8 +124,9 @@ fi
 #      calibration's `cold_write_us` (an engine's 32 writes after a 10 ms pause against one
 #      write after it): on a virtual machine whose CPUs halt when idle, every handoff of
 #      such a transfer wakes a halted CPU (docs/sim.md).
-#   O: as S, the copy at one socket stream's wall time per byte (the calibration's copy before
-#      2026-12-07; the mean of both calibrations' `copy_one_stream_ns_per_byte`).
+#   O: as S, the copy at its wall time per byte on the engine's 4 streams of 512 KiB writes
+#      (the mean of both calibrations' `copy_streams_ns_per_byte`): on two cores the
+#      pipeline's bulk KV rate, on 16 three times the engine's (docs/sim.md).
 #   V: as S, the stages' checks at the data plane's priority (`check_nice: 0`) while the runs
 #      had them at CHECK_NICE: what the model says without the checks' own pool (no V when
 #      CHECK_NICE is 0). Every other fabric has the runs' `check_nice`.
@@ -159,8 +159,8 @@ if os.path.exists(f"{out}/link-after.json") and os.path.exists(f"{out}/cal-after
     except ValueError as e:  # the other fabrics still stand
         print(f"no fabric R or S: {e}")
 copy_of = lambda cpu: float(re.search(r"^  copy_ns_per_byte: ([0-9.]+)", cpu, re.M).group(1))
-def one_stream():  # the calibrations' copy over one socket stream (the mean of both), or None
-    got = [json.load(open(f"{out}/{d}/cpu-calibration.json")).get("copy_one_stream_ns_per_byte")
+def on_streams():  # the calibrations' copy on the engine's 4 streams (the mean of both), or None
+    got = [json.load(open(f"{out}/{d}/cpu-calibration.json")).get("copy_streams_ns_per_byte")
            for d in ("cal", "cal-after") if os.path.exists(f"{out}/{d}/cpu-calibration.json")]
     return sum(got) / len(got) if len(got) == 2 and None not in got else None
 # name: (figures, copy ns/B (None: the calibration's), wake by time parked, measured check,
@@ -169,7 +169,7 @@ def one_stream():  # the calibrations' copy over one socket stream (the mean of 
 scale = max(1, cores // 4)
 threads = min(4, cores)
 variants = {
-    "T": ("before", None, False, False, 1, False, False, None, f"copy at the calibration's wall time on the engine's streams, one wake"),
+    "T": ("before", None, False, False, 1, False, False, None, f"copy at one socket stream's wall time, one wake"),
     "W": ("before", None, True, False, 1, False, False, None, f"as T, the wake by time parked (wake_after)"),
     "E": ("before", 1 / gbs, False, False, 1, False, False, None, f"copy per side at the engine's 16 MiB write rate ({gbs:.3f} GB/s), one wake"),
     "C": ("before", None, False, True, 1, False, False, None, f"as T, a whole tensor's check at the stubs' measured check"),
@@ -180,9 +180,9 @@ variants = {
     "R": ("both", None, True, True, scale, True, True, None, f"as Q, every figure the mean of those measured before and after the runs"),
     "S": ("both", None, True, True, scale, True, True, threads, f"as R, a transfer's copies on min(4, cores) = {threads} threads a side"),
 }
-if one_stream() is not None:
-    variants["O"] = ("both", one_stream(), True, True, scale, True, True, threads,
-                     "as S, the copy at one socket stream's wall time (the calibration's copy before 2026-12-07)")
+if on_streams() is not None:
+    variants["O"] = ("both", on_streams(), True, True, scale, True, True, threads,
+                     "as S, the copy at its wall time on the engine's 4 streams of 512 KiB writes")
 # H: S with each write of a transfer to a long-parked owner at its measured extra cost.
 variants["H"] = variants["S"][:-1] + ("as S, each write beyond a transfer's first to an owner parked 2 ms or more at its measured extra cost (cold_write_us)",)
 cold_of = {"H"}
