@@ -120,8 +120,8 @@ fi
 #      engine's 4 streams on the process's runtime workers, one per core), so while the
 #      cores are contended a transfer gets that many shares of them, as Linux shares cores
 #      by thread.
-#   H: as S, each write beyond a transfer's first to an owner parked 2 ms or more pays the
-#      calibration's `cold_write_us` (an engine's 32 writes after a 10 ms pause against one
+#   H: as S, each write beyond a transfer's first to an owner parked 2 ms or more, while a
+#      core of its host is idle, pays the calibration's `cold_write_us` (an engine's 32 writes after a 10 ms pause against one
 #      write after it): on a virtual machine whose CPUs halt when idle, every handoff of
 #      such a transfer wakes a halted CPU (docs/sim.md).
 #   O: as S, the copy at its wall time per byte on the engine's 4 streams of 512 KiB writes
@@ -184,7 +184,7 @@ if on_streams() is not None:
     variants["O"] = ("both", on_streams(), True, True, scale, True, True, threads,
                      "as S, the copy at its wall time on the engine's 4 streams of 512 KiB writes")
 # H: S with each write of a transfer to a long-parked owner at its measured extra cost.
-variants["H"] = variants["S"][:-1] + ("as S, each write beyond a transfer's first to an owner parked 2 ms or more at its measured extra cost (cold_write_us)",)
+variants["H"] = variants["S"][:-1] + ("as S, each write beyond a transfer's first to an owner parked 2 ms or more, a core of its host idle, at its measured extra cost (cold_write_us)",)
 cold_of = {"H"}
 # Every fabric has the runs' nice value but V, which is S without the checks' priority.
 nice_of = {}

@@ -887,10 +887,10 @@ impl StageCpu {
         if let Some(p) = &owner {
             // Read before the wake touches it: how long the owner was parked. Its writes pay
             // for waking a halted core only where one of its host's cores is idle.
-            let idle_core = self.peer.as_ref().is_none_or(|h| h.has_idle_core());
-            let cold = match idle_core {
-                true => self.cpu.spec().cold_writes_us(self.cpu.idle_us(p), writes),
-                false => 0.0,
+            let cold = if self.peer.as_ref().is_none_or(|h| h.has_idle_core()) {
+                self.cpu.spec().cold_writes_us(self.cpu.idle_us(p), writes)
+            } else {
+                0.0
             };
             self.cpu.wake(p).await;
             if cold > 0.0 {
