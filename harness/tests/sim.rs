@@ -609,6 +609,19 @@ fn a_whole_tensor_check_is_charged_at_its_measured_cost() {
     refused_on_localhost("  check_us: -3", "cpu.check_us: -3");
 }
 
+/// Each hop's (write requests, transfer ms) in the first request of a passing run of `s`
+/// under `cpu`.
+fn writes_and_transfer_ms(
+    s: &Scenario,
+    cpu: omnirig_harness::host::CpuSpec,
+) -> std::collections::BTreeMap<String, (usize, f64)> {
+    passing_run(s, cpu).requests[0]
+        .hops
+        .iter()
+        .map(|h| (h.hop.clone(), (h.requests, h.transfer_ms)))
+        .collect()
+}
+
 /// A transfer of many writes pays each write's own cost on top of its bytes (`write_us`), in
 /// the job that copies them: the KV hop's 96 writes, thinker -> talker's five, and nothing
 /// for talker -> code2wav's one.
@@ -616,18 +629,11 @@ fn a_whole_tensor_check_is_charged_at_its_measured_cost() {
 fn a_transfer_pays_for_each_write_beyond_its_first() {
     let (s, cpu) = image_audio_on_localhost();
     let run = |write_us: f64| {
-        let r = passing_run(
-            &s,
-            omnirig_harness::host::CpuSpec {
-                write_us,
-                ..cpu.clone()
-            },
-        );
-        r.requests[0]
-            .hops
-            .iter()
-            .map(|h| (h.hop.clone(), (h.requests, h.transfer_ms)))
-            .collect::<std::collections::BTreeMap<_, _>>()
+        let cpu = omnirig_harness::host::CpuSpec {
+            write_us,
+            ..cpu.clone()
+        };
+        writes_and_transfer_ms(&s, cpu)
     };
     let (free, paid) = (run(0.0), run(1000.0));
     let writes = |hop: &str| free[hop].0;
@@ -663,18 +669,11 @@ fn a_transfer_pays_for_each_write_beyond_its_first() {
 fn a_transfer_to_a_long_parked_owner_pays_for_each_write_beyond_its_first() {
     let (s, cpu) = image_audio_on_localhost();
     let run = |cold_write_us: f64| {
-        let r = passing_run(
-            &s,
-            omnirig_harness::host::CpuSpec {
-                cold_write_us,
-                ..cpu.clone()
-            },
-        );
-        r.requests[0]
-            .hops
-            .iter()
-            .map(|h| (h.hop.clone(), (h.requests, h.transfer_ms)))
-            .collect::<std::collections::BTreeMap<_, _>>()
+        let cpu = omnirig_harness::host::CpuSpec {
+            cold_write_us,
+            ..cpu.clone()
+        };
+        writes_and_transfer_ms(&s, cpu)
     };
     let (hot, cold) = (run(0.0), run(1000.0));
     assert_eq!(hot["kv_cache"].0, 96);
