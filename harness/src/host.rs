@@ -1209,10 +1209,9 @@ fn copy_on_streams(buf: &[u8], streams: usize, slice: u64) -> std::io::Result<f6
         inbound.set_nodelay(true)?;
         pairs.push((out, inbound));
     }
-    let mut runs = Vec::with_capacity(3);
-    for _ in 0..3 {
-        let t0 = std::time::Instant::now();
-        std::thread::scope(|scope| -> std::io::Result<()> {
+    let mut failed = None;
+    let copy = timed(|| {
+        let r = std::thread::scope(|scope| -> std::io::Result<()> {
             let mut joins = Vec::with_capacity(2 * streams);
             for ((out, inbound), part) in pairs.iter_mut().zip(buf.chunks(share)) {
                 let want = part.len();
@@ -1236,11 +1235,15 @@ fn copy_on_streams(buf: &[u8], streams: usize, slice: u64) -> std::io::Result<f6
                 j.join()
                     .map_err(|_| std::io::Error::other("calibration copy thread panicked"))?
             })
-        })?;
-        runs.push(t0.elapsed().as_nanos() as f64);
+        });
+        if let Err(e) = r {
+            failed = Some(e);
+        }
+    });
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(copy),
     }
-    runs.sort_by(f64::total_cmp);
-    Ok(runs[1])
 }
 
 /// The decode stage's KV check as the stage runs it, in ns per byte: about `bytes` of KV
