@@ -92,7 +92,7 @@ else
   load "calibration after"
 fi
 
-# The model, from this window's figures alone: up to fourteen fabrics, five stage processes as five
+# The model, from this window's figures alone: up to sixteen fabrics, five stage processes as five
 # nodes on one host of this machine's cores, the path's latency from the engine's 4 KiB
 # round trip and the link at its 16 MiB write rate, differing in what a byte's copy costs,
 # the wake, the check, the loopback's capacity and a transfer's threads:
@@ -127,6 +127,11 @@ fi
 #   O: as S, the copy at its wall time per byte on the engine's 4 streams of 512 KiB writes
 #      (the mean of both calibrations' `copy_streams_ns_per_byte`): on two cores the
 #      pipeline's bulk KV rate, on 16 three times the engine's (docs/sim.md).
+#   G: as S, a transfer's copies at the engine's own CPU time per byte a side, on the threads
+#      a side it kept busy, rounded (the mean of both calibrations' `engine_copy_ns_per_byte`
+#      and `engine_copy_threads`: its 8 writes of 16 MiB to a peer process, both processes'
+#      CPU time read from /proc).
+#   J: as G, with H's cold writes.
 #   V: as S, the stages' checks at the data plane's priority (`check_nice: 0`) while the runs
 #      had them at CHECK_NICE: what the model says without the checks' own pool (no V when
 #      CHECK_NICE is 0). Every other fabric has the runs' `check_nice`.
@@ -183,9 +188,21 @@ variants = {
 if on_streams() is not None:
     variants["O"] = ("both", on_streams(), True, True, scale, True, True, threads,
                      "as S, the copy at its wall time on the engine's 4 streams of 512 KiB writes")
+def engine_copy():  # the engine's copy a side (ns/B) and its threads a side (the mean of both), or None
+    got = [json.load(open(f"{out}/{d}/cpu-calibration.json"))
+           for d in ("cal", "cal-after") if os.path.exists(f"{out}/{d}/cpu-calibration.json")]
+    got = [(c.get("engine_copy_ns_per_byte", 0), c.get("engine_copy_threads", 0)) for c in got]
+    if len(got) != 2 or any(ns <= 0 or th <= 0 for ns, th in got):
+        return None
+    return sum(ns for ns, _ in got) / 2, sum(th for _, th in got) / 2
+if engine_copy() is not None:
+    ns, th = engine_copy()
+    side = max(1, min(16, round(th)))
+    variants["G"] = variants["S"][:1] + (ns,) + variants["S"][2:7] + (side, f"as S, the copy at the engine's own CPU time a side ({ns:.4f} ns/B) on the {th:.2f} threads a side it kept busy, rounded to {side}")
+    variants["J"] = variants["G"][:-1] + ("as G, with H's cold writes",)
 # H: S with each write of a transfer to a long-parked owner at its measured extra cost.
 variants["H"] = variants["S"][:-1] + ("as S, each write beyond a transfer's first to an owner parked 2 ms or more, a core of its host idle, at its measured extra cost (cold_write_us)",)
-cold_of = {"H"}
+cold_of = {"H", "J"}
 # Every fabric has the runs' nice value but V, which is S without the checks' priority.
 nice_of = {}
 if nice:
@@ -224,7 +241,7 @@ placement: {{ {", ".join(f"{n}: {n}" for n in names)} }}
 print(f"link: 4 KiB round trip {rtt:.1f} us, 16 MiB writes {gbs:.3f} GB/s")
 PY
 if compgen -G "$out/m-c*-*/report.json" > /dev/null; then
-  for f in T W E C K L P Q R S V O H; do
+  for f in T W E C K L P Q R S V O H G J; do
     [[ -e $out/predicted/fabric-$f.yaml ]] || continue
     "$exe" simulate --fabric "$out/predicted/fabric-$f.yaml" \
       --scenario harness/scenarios/sim-validate.yaml --concurrency "${conc// /,}" \

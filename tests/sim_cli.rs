@@ -217,3 +217,60 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("--concurrency: \"0\""), "{}", text(&o));
 }
+
+/// The host model's copy is read from the engine's own bulk transfer: `bench transfer`'s tcp
+/// write row carries the CPU time both engines' processes spent a byte and the cores they
+/// kept busy (Linux's schedstat); the read row, which the calibration does not use, none.
+#[test]
+fn the_tcp_bench_counts_both_engines_cpu_time() {
+    if !std::path::Path::new("/proc/self/task").exists() {
+        return; // no /proc: the figure is None, as documented
+    }
+    let d = dir("bench-cpu");
+    let json = d.join("t.json");
+    let o = omnirig(&[
+        "bench",
+        "transfer",
+        "--transport",
+        "tcp",
+        "--runtime",
+        "multi",
+        "--sizes",
+        "1M",
+        "--batch",
+        "4",
+        "--min-iters",
+        "5",
+        "--max-iters",
+        "5",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let row = |op: &str| {
+        r["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["op"] == op)
+            .unwrap_or_else(|| panic!("no {op} row in {r}"))
+            .clone()
+    };
+    let w = row("write");
+    let per = w["cpu_ns_per_byte"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{w}"));
+    let cores = w["cpu_cores"].as_f64().unwrap_or_else(|| panic!("{w}"));
+    let have = std::thread::available_parallelism().unwrap().get() as f64;
+    // bytes copied in and out of two sockets cost something, and no more cores than exist
+    assert!(per > 0.0, "{w}");
+    assert!(
+        cores > 0.0 && cores <= have + 0.5,
+        "{cores} cores busy of {have}: {w}"
+    );
+    assert!(row("read").get("cpu_ns_per_byte").is_none(), "{r}");
+    assert!(text(&o).contains("ns of CPU a byte"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&d);
+}

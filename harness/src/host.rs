@@ -942,6 +942,14 @@ pub struct Calibration {
     /// Streams and slice size `copy_streams_ns_per_byte` was measured with.
     pub copy_streams: usize,
     pub copy_slice_bytes: u64,
+    /// The engine's own bulk transfer to a peer process ([`EngineCopySample`]): a side's CPU
+    /// time per byte (half of both processes'), and the threads a side kept busy while the
+    /// bytes moved; 0 until measured ([`Calibration::with_engine_copy`]). Printed in the
+    /// `cpu:` section's comments, not charged: `ci/sim-validate-tcp.sh`'s fabric G charges it.
+    pub engine_copy_ns_per_byte: f64,
+    pub engine_copy_threads: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_copy_from: Option<EngineCopySample>,
     /// What each copying thread itself spent on a CPU per byte (Linux), over one stream, for
     /// the record.
     pub copy_thread_cpu_ns_per_byte: Option<f64>,
@@ -1183,6 +1191,9 @@ pub fn calibrate(bytes: u64, round_trips: u32) -> std::io::Result<Calibration> {
         write_us: 0.0,
         cold_write_us: 0.0,
         writes_from: None,
+        engine_copy_ns_per_byte: 0.0,
+        engine_copy_threads: 0.0,
+        engine_copy_from: None,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         bytes,
         round_trips: round_trips.max(1),
@@ -1530,7 +1541,33 @@ pub struct BatchSample {
     pub repeats: usize,
 }
 
+/// An engine's bulk transfer of `batch` writes of `size` bytes to a peer process, back to
+/// back (`bench transfer`'s tcp write): its wall time and the CPU time both processes spent
+/// on it, per byte moved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EngineCopySample {
+    pub size: u64,
+    pub batch: usize,
+    /// The transfer, p50 us (median of the repeats).
+    pub wall_us: f64,
+    /// Both processes' CPU time per byte, sender and receiver together, and the cores they
+    /// kept busy over the whole timing (medians of the repeats).
+    pub cpu_ns_per_byte: f64,
+    pub cpu_cores: f64,
+    pub repeats: usize,
+}
+
 impl Calibration {
+    /// Sets the engine's copy from its bulk transfer: each side (sender, receiver) spends
+    /// half the CPU time and keeps half the busy cores. The batch's per-write costs
+    /// (`write_us` each) are left in: for 8 writes of 16 MiB they are under 1% of it.
+    pub fn with_engine_copy(mut self, e: EngineCopySample) -> Self {
+        self.engine_copy_ns_per_byte = (e.cpu_ns_per_byte / 2.0).max(0.0);
+        self.engine_copy_threads = (e.cpu_cores / 2.0).max(0.0);
+        self.engine_copy_from = Some(e);
+        self
+    }
+
     /// Sets a write's own cost from a batch against one write: each write beyond the first
     /// adds (batch - single) / (batch size - 1).
     /// Where the batch and one write were also timed after a pause, each write beyond the
@@ -1711,6 +1748,18 @@ impl Calibration {
                     self.cold_write_us,
                 );
             }
+        }
+        if let Some(e) = &self.engine_copy_from {
+            y += &format!(
+                "  # an engine's {} writes of {} MiB in one transfer: {:.2} ms, both processes' CPU\n\
+                 \x20 # {:.4} ns a byte: a side's copy {:.4} ns/B on {:.2} threads (not charged)\n",
+                e.batch,
+                e.size >> 20,
+                e.wall_us / 1e3,
+                e.cpu_ns_per_byte,
+                self.engine_copy_ns_per_byte,
+                self.engine_copy_threads,
+            );
         }
         if let Some(w) = &self.wake_from {
             y += &format!(

@@ -920,6 +920,16 @@ fn the_calibration_parses_back_as_a_fabric() {
             cold_gap_us: 10_000,
             repeats: 3,
         })
+        // The engine's bulk copy: both processes spent 0.44 ns of CPU a byte with 1.9 cores
+        // busy, so a side copies at 0.22 ns/B on 0.95 threads; a record, not charged.
+        .with_engine_copy(omnirig_harness::host::EngineCopySample {
+            size: 16 << 20,
+            batch: 8,
+            wall_us: 30_000.0,
+            cpu_ns_per_byte: 0.44,
+            cpu_cores: 1.9,
+            repeats: 3,
+        })
         .with_checks(vec![
             sample(2048, 6.0, 14.0),
             sample(3200, 5.0, 16.4),
@@ -956,6 +966,20 @@ fn the_calibration_parses_back_as_a_fabric() {
     assert_eq!(format!("{:.1}", cpu.check_us), "7.9", "{section}");
     assert_eq!(cpu.write_us, 25.0, "{section}");
     assert_eq!(cpu.cold_write_us, 50.0, "{section}");
+    assert_eq!(
+        (checked.engine_copy_ns_per_byte, checked.engine_copy_threads),
+        (0.22, 0.95),
+        "{checked:?}"
+    );
+    assert!(
+        section.contains("a side's copy 0.2200 ns/B on 0.95 threads (not charged)"),
+        "{section}"
+    );
+    assert_eq!(
+        format!("{:.4}", cpu.copy_ns_per_byte),
+        format!("{:.4}", c.copy_ns_per_byte),
+        "{section}"
+    );
     assert_eq!(cpu.cold_after_us, 2000.0, "{section}");
     // the packets' decode: medians 20 us at one entry and 34 us at five (the two-entry
     // packet is neither), so 3.5 us an entry and 16.5 a packet

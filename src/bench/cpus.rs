@@ -86,6 +86,20 @@ pub fn pin(cpu: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// CPU time every thread of process `pid` has run so far, in ns: the sum of Linux's
+/// per-thread schedstat (nanosecond resolution, where /proc/PID/stat counts 10 ms ticks).
+/// None where there is no schedstat (not Linux, or the process is gone). A thread that
+/// exits between two readings takes its time with it, so callers read around work done by
+/// long-lived threads (an engine's runtime and streams).
+pub fn process_cpu_ns(pid: u32) -> Option<u64> {
+    let mut total = 0u64;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let stat = std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,5 +132,34 @@ mod tests {
                 .to_string()
                 .contains("100000")
         );
+    }
+
+    #[test]
+    fn a_process_cpu_time_counts_the_work_its_threads_did() {
+        let me = std::process::id();
+        let Some(before) = process_cpu_ns(me) else {
+            return; // no schedstat here: nothing to count
+        };
+        // 30 ms of work on a thread of its own, which is still alive when read
+        let (done, stop) = std::sync::mpsc::channel::<()>();
+        let (ready, worked) = std::sync::mpsc::channel::<()>();
+        let busy = std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            while t.elapsed() < std::time::Duration::from_millis(30) {
+                std::hint::black_box(t.elapsed());
+            }
+            ready.send(()).unwrap();
+            stop.recv().unwrap();
+        });
+        worked.recv().unwrap();
+        let after = process_cpu_ns(me).unwrap();
+        done.send(()).unwrap();
+        busy.join().unwrap();
+        assert!(
+            after - before >= 25_000_000,
+            "{} ns counted for 30 ms of work",
+            after - before
+        );
+        assert_eq!(process_cpu_ns(u32::MAX), None, "no such process");
     }
 }

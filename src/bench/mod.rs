@@ -181,6 +181,15 @@ pub struct Row {
     /// against it: noise between perftest runs lowers this one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best: Option<(Baseline, f64)>,
+    /// tcp writes: CPU time both engines' processes spent per byte they moved over the
+    /// timed writes and their warm-up (the sender's and the receiver's together, busy-polls
+    /// included), Linux only. The simulation's host model charges a transfer's copies from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_ns_per_byte: Option<f64>,
+    /// tcp writes: that CPU time over the wall time it was spent in (the timed writes and
+    /// their warm-up, pauses included): the cores both processes kept busy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_cores: Option<f64>,
 }
 
 impl Row {
@@ -205,6 +214,8 @@ impl Row {
             throughput_rps: None,
             floor: None,
             best: None,
+            cpu_ns_per_byte: None,
+            cpu_cores: None,
         }
     }
 
@@ -308,6 +319,16 @@ impl Results {
                 r.baseline.p50_us,
                 r.ratio
             );
+        }
+        for r in &self.rows {
+            if let (Some(per), Some(cores)) = (r.cpu_ns_per_byte, r.cpu_cores) {
+                s += &format!(
+                    "{} {}: both engines' processes spent {per:.3} ns of CPU a byte, \
+                     {cores:.2} cores busy\n",
+                    r.op,
+                    human_size(r.size),
+                );
+            }
         }
         s
     }

@@ -242,6 +242,11 @@ pub struct PeerProcess {
 }
 
 impl PeerProcess {
+    /// The child's process id (its CPU time is read from /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn spawn(mode: PeerMode, max_size: u64, tcp: &TcpConfig) -> anyhow::Result<Self> {
         Self::spawn_on(mode, max_size, tcp, None)
     }

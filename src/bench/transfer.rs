@@ -135,17 +135,33 @@ async fn time_engine(
     iters: usize,
     gap: Duration,
 ) -> anyhow::Result<Samples> {
+    Ok(time_engine_cpu(engine, reqs, iters, gap, || None).await?.0)
+}
+
+/// As [`time_engine`], also reading `cpu` (CPU time so far, ns) around the timed transfers,
+/// not the warm-up (whose first transfer faults the landing pages in): the CPU time they
+/// took and the wall time they took it in, pauses included, where `cpu` reads.
+async fn time_engine_cpu(
+    engine: &Engine,
+    reqs: Vec<Request>,
+    iters: usize,
+    gap: Duration,
+    cpu: impl Fn() -> Option<u64>,
+) -> anyhow::Result<(Samples, Option<(u64, Duration)>)> {
     let mut s = Samples::new(reqs.iter().map(|r| r.len).sum());
     for _ in 0..iters.min(3) {
         engine.transfer(reqs.clone(), OP_TIMEOUT).await?;
     }
+    let (before, t0) = (cpu(), Instant::now());
     for _ in 0..iters {
         pause(gap);
         let t = Instant::now();
         engine.transfer(reqs.clone(), OP_TIMEOUT).await?;
         s.push(t.elapsed());
     }
-    Ok(s)
+    let spent = t0.elapsed();
+    let used = before.zip(cpu()).map(|(b, a)| (a.saturating_sub(b), spent));
+    Ok((s, used))
 }
 
 /// The `--gap-us` pause: a thread sleep (tokio's timer rounds to whole milliseconds), so
@@ -670,8 +686,17 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
         let writes = offsets()
             .map(|o| Request::write(&src, o, &wg, o, size))
             .collect();
-        let w = time_engine(&a, writes, iters, o.gap).await?;
-        rows.push(Row::new("write", size, &w, name, &bw));
+        let cpu = || {
+            let peer = super::cpus::process_cpu_ns(engine_peer.pid())?;
+            Some(super::cpus::process_cpu_ns(std::process::id())? + peer)
+        };
+        let (w, used) = time_engine_cpu(&a, writes, iters, o.gap, cpu).await?;
+        let mut row = Row::new("write", size, &w, name, &bw);
+        if let Some((ns, spent)) = used {
+            row.cpu_ns_per_byte = Some(ns as f64 / (iters as u64 * batch * size) as f64);
+            row.cpu_cores = Some(ns as f64 / spent.as_nanos().max(1) as f64);
+        }
+        rows.push(row);
         let (name, br) = best_raw(
             &mut raw,
             b'R',

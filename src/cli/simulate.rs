@@ -66,6 +66,7 @@ fn calibrate(args: &SimulateArgs) -> anyhow::Result<()> {
         .with_wake(wake)
         .with_wake_after(after)
         .with_writes(writes)
+        .with_engine_copy(measure_engine_copy().context("measuring the engine's bulk copy")?)
         .with_checks(
             omnirig_harness::host::measure_checks(CHECK_REPEATS, WAKE_GAP)
                 .context("timing the stubs' whole-tensor check")?,
@@ -192,6 +193,60 @@ fn measure_engine_writes() -> anyhow::Result<(
         repeats: WAKE_REPEATS,
     };
     Ok((at_gap, after, writes))
+}
+
+/// The engine's bulk transfer the copy is read from: [`COPY_BATCH`] writes of
+/// [`COPY_WRITE_BYTES`] (128 MiB, a KV handoff's order), [`COPY_ITERS`] timed back to back.
+const COPY_WRITE_BYTES: u64 = 16 << 20;
+const COPY_BATCH: usize = 8;
+const COPY_ITERS: usize = 10;
+
+/// An engine's bulk transfer to a peer process (`bench transfer`'s tcp suite on the
+/// multi-thread runtime, as [`measure_engine_writes`]), [`WAKE_REPEATS`] times: the medians
+/// of its p50 and of both processes' CPU time per byte.
+fn measure_engine_copy() -> anyhow::Result<omnirig_harness::host::EngineCopySample> {
+    use crate::bench::transfer;
+    let mut walls = Vec::new();
+    let mut cpus = Vec::new();
+    let mut cores = Vec::new();
+    for _ in 0..WAKE_REPEATS {
+        let o = transfer::Options {
+            transport: omnirig_transports::TransportKind::Tcp,
+            sizes: vec![COPY_WRITE_BYTES],
+            budget: 1 << 40,
+            min_iters: COPY_ITERS,
+            max_iters: COPY_ITERS,
+            tcp: omnirig_transports::TcpConfig::default(),
+            perftest_seconds: 0,
+            rounds: 1,
+            completion_spin: None,
+            max_outstanding: None,
+            runtime: transfer::Runtime::Multi,
+            gap: std::time::Duration::ZERO,
+            batch: COPY_BATCH,
+            peer: None,
+            peer_wait: std::time::Duration::ZERO,
+            rdma: Default::default(),
+        };
+        let r = transfer::run(&o)?;
+        let w = r
+            .rows
+            .iter()
+            .find(|r| r.op == "write")
+            .context("bench transfer returned no write row")?;
+        walls.push(w.omnirig.p50_us);
+        let no_cpu = || anyhow::anyhow!("no CPU time (it is read from Linux's /proc schedstat)");
+        cpus.push(w.cpu_ns_per_byte.ok_or_else(no_cpu)?);
+        cores.push(w.cpu_cores.ok_or_else(no_cpu)?);
+    }
+    Ok(omnirig_harness::host::EngineCopySample {
+        size: COPY_WRITE_BYTES,
+        batch: COPY_BATCH,
+        wall_us: median(&mut walls),
+        cpu_ns_per_byte: median(&mut cpus),
+        cpu_cores: median(&mut cores),
+        repeats: WAKE_REPEATS,
+    })
 }
 
 #[derive(Debug, Clone, Serialize)]
