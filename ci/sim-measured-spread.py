@@ -9,6 +9,11 @@ ci/sim-validate-softroce.sh leave them. For each of the 18 figures `simulate --m
 scores (per hop the transfer and handoff p50, and end to end, at concurrency 1 and 4) it
 prints the median over the set's runs, per set, and max/min - 1 across the sets. A figure
 whose medians differ by more than 20% between sets cannot be predicted within 20% of both.
+
+It then takes each set's medians as a prediction of every other set's and scores it as
+`simulate --measured` does (within 20% of the measured median): what a model that
+reproduced one window exactly would score on the others, the ceiling the machine's own
+repeatability puts on any prediction that does not follow it from window to window.
 """
 import glob
 import json
@@ -54,6 +59,14 @@ def main():
     for i, s in enumerate(sets):
         print(f"set {i + 1}: {s}")
     print(f"{over} of {len(meds[0])} figures' medians differ by more than 20% between the sets.")
+    print()
+    # each set's medians as the prediction of each other set's, scored as simulate scores
+    scores = [sum(abs(p[k] - m[k]) <= 0.2 * m[k] for k in m)
+              for i, p in enumerate(meds) for j, m in enumerate(meds) if i != j]
+    scores.sort()
+    print(f"one set's medians as the prediction of another's ({len(scores)} pairs): "
+          f"{statistics.median(scores):g} of {len(meds[0])} within 20% at the median, "
+          f"{scores[0]} to {scores[-1]}; every figure in {scores.count(len(meds[0]))} pairs.")
 
 
 main()
