@@ -93,8 +93,14 @@ pub fn pin(cpu: usize) -> anyhow::Result<()> {
 /// long-lived threads (an engine's runtime and streams).
 pub fn process_cpu_ns(pid: u32) -> Option<u64> {
     let mut total = 0u64;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
-        let stat = std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok()?;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        // a thread that exited since the listing has nothing left to read: skip it
+        let Ok(stat) = std::fs::read_to_string(t.path().join("schedstat")) else {
+            continue;
+        };
         total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
     }
     Some(total)
@@ -134,31 +140,37 @@ mod tests {
         );
     }
 
+    /// A busy child process's count grows to its work; one that is gone reads None. (A
+    /// child, not this process: the other tests' threads come and go here.)
     #[test]
     fn a_process_cpu_time_counts_the_work_its_threads_did() {
-        let me = std::process::id();
-        let Some(before) = process_cpu_ns(me) else {
+        if process_cpu_ns(std::process::id()).is_none() {
             return; // no schedstat here: nothing to count
-        };
-        // 30 ms of work on a thread of its own, which is still alive when read
-        let (done, stop) = std::sync::mpsc::channel::<()>();
-        let (ready, worked) = std::sync::mpsc::channel::<()>();
-        let busy = std::thread::spawn(move || {
-            let t = std::time::Instant::now();
-            while t.elapsed() < std::time::Duration::from_millis(30) {
-                std::hint::black_box(t.elapsed());
+        }
+        let mut busy = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
+        let t = std::time::Instant::now();
+        let mut seen = 0;
+        while t.elapsed() < std::time::Duration::from_secs(20) {
+            seen = process_cpu_ns(busy.id()).unwrap_or(0);
+            if seen >= 30_000_000 {
+                break;
             }
-            ready.send(()).unwrap();
-            stop.recv().unwrap();
-        });
-        worked.recv().unwrap();
-        let after = process_cpu_ns(me).unwrap();
-        done.send(()).unwrap();
-        busy.join().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let wall = t.elapsed();
+        busy.kill().unwrap();
+        busy.wait().unwrap();
         assert!(
-            after - before >= 25_000_000,
-            "{} ns counted for 30 ms of work",
-            after - before
+            seen >= 30_000_000,
+            "{seen} ns counted in {wall:?} of a busy loop"
+        );
+        // one thread cannot have run longer than the wall time since it started
+        assert!(
+            seen as u128 <= wall.as_nanos() + 20_000_000,
+            "{seen} ns in {wall:?}"
         );
         assert_eq!(process_cpu_ns(u32::MAX), None, "no such process");
     }
