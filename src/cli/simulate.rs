@@ -120,7 +120,6 @@ fn measure_engine_writes() -> anyhow::Result<(
     Vec<omnirig_harness::host::WakeSample>,
     omnirig_harness::host::BatchSample,
 )> {
-    use crate::bench::transfer;
     let p50 = |gap: std::time::Duration, batch: usize| -> anyhow::Result<f64> {
         // 200 writes; 30 after the 100 ms pause (3 s a run)
         let iters = if gap >= std::time::Duration::from_millis(100) {
@@ -128,31 +127,7 @@ fn measure_engine_writes() -> anyhow::Result<(
         } else {
             200
         };
-        let o = transfer::Options {
-            transport: omnirig_transports::TransportKind::Tcp,
-            sizes: vec![4096],
-            budget: 1 << 30,
-            min_iters: iters,
-            max_iters: iters,
-            tcp: omnirig_transports::TcpConfig::default(),
-            perftest_seconds: 0,
-            rounds: 1,
-            completion_spin: None,
-            max_outstanding: None,
-            runtime: transfer::Runtime::Multi,
-            gap,
-            batch,
-            peer: None,
-            peer_wait: std::time::Duration::ZERO,
-            rdma: Default::default(),
-        };
-        let r = transfer::run(&o)?;
-        let w = r
-            .rows
-            .iter()
-            .find(|r| r.op == "write")
-            .context("bench transfer returned no write row")?;
-        Ok(w.omnirig.p50_us)
+        Ok(engine_write(4096, batch, iters, gap)?.omnirig.p50_us)
     };
     let mut hot = Vec::new();
     let mut batched = Vec::new();
@@ -195,6 +170,40 @@ fn measure_engine_writes() -> anyhow::Result<(
     Ok((at_gap, after, writes))
 }
 
+/// `bench transfer`'s tcp write row for `iters` transfers of `batch` writes of `size` bytes
+/// each to a peer process, `gap` before each, on the multi-thread runtime `omnirig run` uses.
+fn engine_write(
+    size: u64,
+    batch: usize,
+    iters: usize,
+    gap: std::time::Duration,
+) -> anyhow::Result<crate::bench::Row> {
+    use crate::bench::transfer;
+    let o = transfer::Options {
+        transport: omnirig_transports::TransportKind::Tcp,
+        sizes: vec![size],
+        budget: u64::MAX,
+        min_iters: iters,
+        max_iters: iters,
+        tcp: omnirig_transports::TcpConfig::default(),
+        perftest_seconds: 0,
+        rounds: 1,
+        completion_spin: None,
+        max_outstanding: None,
+        runtime: transfer::Runtime::Multi,
+        gap,
+        batch,
+        peer: None,
+        peer_wait: std::time::Duration::ZERO,
+        rdma: Default::default(),
+    };
+    transfer::run(&o)?
+        .rows
+        .into_iter()
+        .find(|r| r.op == "write")
+        .context("bench transfer returned no write row")
+}
+
 /// The engine's bulk transfer the copy is read from: [`COPY_BATCH`] writes of
 /// [`COPY_WRITE_BYTES`] (128 MiB, a KV handoff's order), [`COPY_ITERS`] timed back to back.
 const COPY_WRITE_BYTES: u64 = 16 << 20;
@@ -205,35 +214,16 @@ const COPY_ITERS: usize = 10;
 /// multi-thread runtime, as [`measure_engine_writes`]), [`WAKE_REPEATS`] times: the medians
 /// of its p50 and of both processes' CPU time per byte.
 fn measure_engine_copy() -> anyhow::Result<omnirig_harness::host::EngineCopySample> {
-    use crate::bench::transfer;
     let mut walls = Vec::new();
     let mut cpus = Vec::new();
     let mut cores = Vec::new();
     for _ in 0..WAKE_REPEATS {
-        let o = transfer::Options {
-            transport: omnirig_transports::TransportKind::Tcp,
-            sizes: vec![COPY_WRITE_BYTES],
-            budget: 1 << 40,
-            min_iters: COPY_ITERS,
-            max_iters: COPY_ITERS,
-            tcp: omnirig_transports::TcpConfig::default(),
-            perftest_seconds: 0,
-            rounds: 1,
-            completion_spin: None,
-            max_outstanding: None,
-            runtime: transfer::Runtime::Multi,
-            gap: std::time::Duration::ZERO,
-            batch: COPY_BATCH,
-            peer: None,
-            peer_wait: std::time::Duration::ZERO,
-            rdma: Default::default(),
-        };
-        let r = transfer::run(&o)?;
-        let w = r
-            .rows
-            .iter()
-            .find(|r| r.op == "write")
-            .context("bench transfer returned no write row")?;
+        let w = engine_write(
+            COPY_WRITE_BYTES,
+            COPY_BATCH,
+            COPY_ITERS,
+            std::time::Duration::ZERO,
+        )?;
         walls.push(w.omnirig.p50_us);
         let no_cpu = || anyhow::anyhow!("no CPU time (it is read from Linux's /proc schedstat)");
         cpus.push(w.cpu_ns_per_byte.ok_or_else(no_cpu)?);
