@@ -1009,10 +1009,32 @@ pub struct Calibration {
     pub round_trips: u32,
 }
 
+/// Time on a CPU so far, ns, from a Linux schedstat file (its first field); None where
+/// there is none.
+fn schedstat_ns(path: impl AsRef<std::path::Path>) -> Option<u64> {
+    let t = std::fs::read_to_string(path).ok()?;
+    t.split_whitespace().next()?.parse().ok()
+}
+
 /// This thread's time on a CPU so far (Linux's schedstat), ns; None elsewhere.
 fn thread_cpu_ns() -> Option<f64> {
-    let t = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    t.split_whitespace().next()?.parse().ok()
+    schedstat_ns("/proc/thread-self/schedstat").map(|ns| ns as f64)
+}
+
+/// CPU time every thread of process `pid` has run so far, in ns: the sum of its threads'
+/// schedstat (nanosecond resolution, where /proc/PID/stat counts 10 ms ticks). None where
+/// there is no schedstat (not Linux, or the process is gone). A thread that exits between
+/// two readings takes its time with it, so callers read around work done by long-lived
+/// threads (an engine's runtime and streams).
+pub fn process_cpu_ns(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    // a thread that exited since the listing has nothing left to read: skipped
+    Some(
+        tasks
+            .flatten()
+            .filter_map(|t| schedstat_ns(t.path().join("schedstat")))
+            .sum(),
+    )
 }
 
 /// The median of three runs of `f`, in ns (one run is at the mercy of a busy machine).

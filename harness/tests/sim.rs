@@ -1156,3 +1156,42 @@ fn every_shipped_fabric_parses_and_carries_a_request() {
         "{seen:?}"
     );
 }
+
+/// A busy child process's count grows to its work; one that is gone reads None. (A
+/// child, not this process: the other tests' threads come and go here.)
+#[test]
+fn a_process_cpu_time_counts_the_work_its_threads_did() {
+    if omnirig_harness::host::process_cpu_ns(std::process::id()).is_none() {
+        return; // no schedstat here: nothing to count
+    }
+    let mut busy = std::process::Command::new("sh")
+        .args(["-c", "while :; do :; done"])
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    let mut seen = 0;
+    while t.elapsed() < std::time::Duration::from_secs(20) {
+        seen = omnirig_harness::host::process_cpu_ns(busy.id()).unwrap_or(0);
+        if seen >= 30_000_000 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let wall = t.elapsed();
+    busy.kill().unwrap();
+    busy.wait().unwrap();
+    assert!(
+        seen >= 30_000_000,
+        "{seen} ns counted in {wall:?} of a busy loop"
+    );
+    // one thread cannot have run longer than the wall time since it started
+    assert!(
+        seen as u128 <= wall.as_nanos() + 20_000_000,
+        "{seen} ns in {wall:?}"
+    );
+    assert_eq!(
+        omnirig_harness::host::process_cpu_ns(u32::MAX),
+        None,
+        "no such process"
+    );
+}

@@ -86,26 +86,6 @@ pub fn pin(cpu: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// CPU time every thread of process `pid` has run so far, in ns: the sum of Linux's
-/// per-thread schedstat (nanosecond resolution, where /proc/PID/stat counts 10 ms ticks).
-/// None where there is no schedstat (not Linux, or the process is gone). A thread that
-/// exits between two readings takes its time with it, so callers read around work done by
-/// long-lived threads (an engine's runtime and streams).
-pub fn process_cpu_ns(pid: u32) -> Option<u64> {
-    let mut total = 0u64;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
-        .ok()?
-        .flatten()
-    {
-        // a thread that exited since the listing has nothing left to read: skip it
-        let Ok(stat) = std::fs::read_to_string(t.path().join("schedstat")) else {
-            continue;
-        };
-        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
-    }
-    Some(total)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,40 +118,5 @@ mod tests {
                 .to_string()
                 .contains("100000")
         );
-    }
-
-    /// A busy child process's count grows to its work; one that is gone reads None. (A
-    /// child, not this process: the other tests' threads come and go here.)
-    #[test]
-    fn a_process_cpu_time_counts_the_work_its_threads_did() {
-        if process_cpu_ns(std::process::id()).is_none() {
-            return; // no schedstat here: nothing to count
-        }
-        let mut busy = std::process::Command::new("sh")
-            .args(["-c", "while :; do :; done"])
-            .spawn()
-            .unwrap();
-        let t = std::time::Instant::now();
-        let mut seen = 0;
-        while t.elapsed() < std::time::Duration::from_secs(20) {
-            seen = process_cpu_ns(busy.id()).unwrap_or(0);
-            if seen >= 30_000_000 {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        let wall = t.elapsed();
-        busy.kill().unwrap();
-        busy.wait().unwrap();
-        assert!(
-            seen >= 30_000_000,
-            "{seen} ns counted in {wall:?} of a busy loop"
-        );
-        // one thread cannot have run longer than the wall time since it started
-        assert!(
-            seen as u128 <= wall.as_nanos() + 20_000_000,
-            "{seen} ns in {wall:?}"
-        );
-        assert_eq!(process_cpu_ns(u32::MAX), None, "no such process");
     }
 }

@@ -182,12 +182,12 @@ pub struct Row {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best: Option<(Baseline, f64)>,
     /// tcp writes: CPU time both engines' processes spent per byte they moved over the
-    /// timed writes and their warm-up (the sender's and the receiver's together, busy-polls
-    /// included), Linux only. The simulation's host model charges a transfer's copies from it.
+    /// timed writes, not their warm-up (the sender's and the receiver's together, busy-polls
+    /// included), Linux only. `simulate --calibrate-cpu` records a side's share of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_ns_per_byte: Option<f64>,
-    /// tcp writes: that CPU time over the wall time it was spent in (the timed writes and
-    /// their warm-up, pauses included): the cores both processes kept busy.
+    /// tcp writes: that CPU time over the wall time it was spent in (the timed writes,
+    /// pauses included): the cores both processes kept busy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_cores: Option<f64>,
 }

@@ -687,8 +687,8 @@ async fn tcp(o: &Options, max: u64) -> anyhow::Result<Vec<Row>> {
             .map(|o| Request::write(&src, o, &wg, o, size))
             .collect();
         let cpu = || {
-            let peer = super::cpus::process_cpu_ns(engine_peer.pid())?;
-            Some(super::cpus::process_cpu_ns(std::process::id())? + peer)
+            use omnirig_harness::host::process_cpu_ns;
+            Some(process_cpu_ns(std::process::id())? + process_cpu_ns(engine_peer.pid())?)
         };
         let (w, used) = time_engine_cpu(&a, writes, iters, o.gap, cpu).await?;
         let mut row = Row::new("write", size, &w, name, &bw);
