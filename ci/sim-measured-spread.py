@@ -4,7 +4,7 @@
     ci/sim-measured-spread.py SET SET [SET ...]
 
 Each SET is a folder of one window's (or one boot's) measured reports of the scale model's
-validation scenario: `m-cC-I.json`, or `m-cC-I/report.json` as ci/sim-validate-tcp.sh and
+validation scenario: `m-cC-I.json` (or `m-cC-I.json.gz`, as committed), or `m-cC-I/report.json` as ci/sim-validate-tcp.sh and
 ci/sim-validate-softroce.sh leave them. For each of the 18 figures `simulate --measured`
 scores (per hop the transfer and handoff p50, and end to end, at concurrency 1 and 4) it
 prints the median over the set's runs, per set, and max/min - 1 across the sets. A figure
@@ -16,6 +16,7 @@ reproduced one window exactly would score on the others, the ceiling the machine
 repeatability puts on any prediction that does not follow it from window to window.
 """
 import glob
+import gzip
 import json
 import statistics
 import sys
@@ -27,10 +28,11 @@ def medians(folder):
     out = {}
     for c in (1, 4):
         files = sorted(glob.glob(f"{folder}/m-c{c}-*.json")) or sorted(
+            glob.glob(f"{folder}/m-c{c}-*.json.gz")) or sorted(
             glob.glob(f"{folder}/m-c{c}-*/report.json"))
         if not files:
             sys.exit(f"{folder}: no measured reports at concurrency {c} (m-c{c}-*.json)")
-        reports = [json.load(open(f)) for f in files]
+        reports = [json.load(gzip.open(f) if f.endswith(".gz") else open(f)) for f in files]
         for r, f in zip(reports, files):
             if r.get("concurrency") != c:
                 sys.exit(f"{f}: concurrency {r.get('concurrency')}, named {c}")

@@ -213,6 +213,53 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
         utilisation.contains(busiest),
         "{busiest} missing from the utilisation plot"
     );
+    // The committed reports are gzipped: the same report gzipped scores the same, and a cut
+    // one is named, not read as whatever part of it decompressed.
+    let gz = d.join("report.json.gz");
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(
+        &mut enc,
+        &std::fs::read(measured.join("report.json")).unwrap(),
+    )
+    .unwrap();
+    let packed = enc.finish().unwrap();
+    std::fs::write(&gz, &packed).unwrap();
+    let out_gz = d.join("out-gz");
+    let simulate_gz = |report: &std::path::Path, out: &std::path::Path| {
+        omnirig(&[
+            "simulate",
+            "--scenario",
+            s,
+            "--concurrency",
+            "2",
+            "--rounds",
+            "1",
+            "--measured",
+            report.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let o = simulate_gz(&gz, &out_gz);
+    assert!(o.status.success(), "{}", text(&o));
+    let scored = |dir: &std::path::Path| {
+        let md = std::fs::read_to_string(dir.join("simulate.md")).unwrap();
+        md.lines()
+            .filter(|l| l.contains("% |") || l.contains("within 20%"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    assert!(!scored(&out).is_empty());
+    assert_eq!(scored(&out_gz), scored(&out));
+    let cut = d.join("cut.json.gz");
+    std::fs::write(&cut, &packed[..packed.len() / 2]).unwrap();
+    let o = simulate_gz(&cut, &d.join("out-cut"));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("cut.json.gz: gzip data that does not decompress"),
+        "{}",
+        text(&o)
+    );
     let o = omnirig(&["simulate", "--concurrency", "0,4"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("--concurrency: \"0\""), "{}", text(&o));

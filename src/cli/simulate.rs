@@ -31,7 +31,8 @@ pub struct SimulateArgs {
     /// Seed of the fabric's jitter.
     #[arg(long)]
     seed: Option<u64>,
-    /// Reports of measured runs (report.json) to validate against, matched by concurrency.
+    /// Reports of measured runs (report.json, or gzipped) to validate against, matched by
+    /// concurrency.
     #[arg(long, num_args = 1..)]
     measured: Vec<PathBuf>,
     /// Write predictions (and the comparison) here: simulate.json, simulate.md, plots.
@@ -265,6 +266,36 @@ pub struct Prediction {
     pub busiest: Vec<(String, f64)>,
     pub modelled_s: f64,
     pub real_s: f64,
+}
+
+/// A measured report's text: plain JSON, or gzipped (the committed ones under docs/results/sim
+/// are, to keep the tree small), told apart by gzip's magic bytes rather than the file's name.
+fn read_report_text(p: &std::path::Path) -> anyhow::Result<String> {
+    use std::io::Read;
+    let bytes = std::fs::read(p).with_context(|| p.display().to_string())?;
+    if !bytes.starts_with(&[0x1f, 0x8b]) {
+        return String::from_utf8(bytes)
+            .with_context(|| format!("{}: not UTF-8 text", p.display()));
+    }
+    // A report is a few hundred KiB; a bound keeps a corrupt or hostile file from filling memory.
+    const MAX_REPORT: u64 = 256 << 20;
+    let mut text = String::new();
+    flate2::read::MultiGzDecoder::new(&bytes[..])
+        .take(MAX_REPORT + 1)
+        .read_to_string(&mut text)
+        .with_context(|| {
+            format!(
+                "{}: gzip data that does not decompress to text",
+                p.display()
+            )
+        })?;
+    anyhow::ensure!(
+        text.len() as u64 <= MAX_REPORT,
+        "{}: decompresses to more than {} MiB, larger than any report",
+        p.display(),
+        MAX_REPORT >> 20
+    );
+    Ok(text)
 }
 
 /// One predicted-against-measured figure.
@@ -744,7 +775,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         .measured
         .iter()
         .map(|p| -> anyhow::Result<Report> {
-            let text = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
+            let text = read_report_text(p)?;
             serde_json::from_str(&text).with_context(|| format!("{}: not a report", p.display()))
         })
         .collect::<anyhow::Result<_>>()?;
