@@ -108,6 +108,7 @@ fn bench() -> Result<(), Box<dyn std::error::Error>> {
                 tag: 1,
                 request_offset: 0,
                 request_len: 8 << 20,
+                alone: true,
             };
             rt.block_on(link.execute(op(0)))?; // warm up: connection, registration
             let cpu0 = cpu_seconds();
@@ -147,6 +148,7 @@ fn bench() -> Result<(), Box<dyn std::error::Error>> {
             tag: 1,
             request_offset: 0,
             request_len: 8,
+            alone: true,
         };
         rt.block_on(link.execute(op.clone()))?;
         let mut lat = Vec::new();

@@ -517,15 +517,18 @@ impl Request {
         self
     }
 
-    /// The slice of this request at `offset..offset+len` (relative to the request).
+    /// The slice of this request at `offset..offset+len` (relative to the request);
+    /// `alone`: the only slice its task drives ([`SliceOp::alone`]).
     fn slice(
         &self,
         local: &Arc<Region>,
         key: &Option<Arc<[u8]>>,
         offset: u64,
         len: u64,
+        alone: bool,
     ) -> SliceOp {
         SliceOp {
+            alone,
             key: key.clone(),
             kind: self.kind,
             local: local.clone(),
@@ -1082,6 +1085,7 @@ impl Engine {
                 batch.shared.clone(),
                 (i, p, alive, started),
                 true,
+                false,
             );
             tokio::spawn(task.instrument(span.clone()));
         }
@@ -1199,14 +1203,16 @@ impl Engine {
         if rest.len() <= 1 {
             // Nothing to race: drive the one task (if any) to its end, then read the outcome.
             if let Some(w) = rest.pop() {
-                run_task(self.inner.clone(), batch.shared.clone(), w, false)
+                run_task(self.inner.clone(), batch.shared.clone(), w, false, false)
                     .instrument(span)
                     .await;
             }
             return batch.outcome().expect("every task has ended");
         }
+        // One task drives them all: none of their slices may hold the thread.
         let drivers = futures_util::future::join_all(rest.into_iter().map(|w| {
-            run_task(self.inner.clone(), batch.shared.clone(), w, false).instrument(span.clone())
+            run_task(self.inner.clone(), batch.shared.clone(), w, false, true)
+                .instrument(span.clone())
         }));
         // Biased: an unbiased select polls its branches in a random order, and which one runs
         // first decides whether more slices start after a failure; a simulated run must
@@ -1263,12 +1269,14 @@ impl Drop for TaskAlive {
 
 /// Drives one task to its terminal state. `cancelable`: whether someone else can cancel the
 /// batch while this runs (a submitted batch can; `transfer()`'s single task is canceled by
-/// dropping its future instead, so it skips registering for that).
+/// dropping its future instead, so it skips registering for that). `shared`: whether the
+/// task driving this one drives others too (`transfer()`'s batch of several).
 async fn run_task(
     inner: Arc<EngineInner>,
     batch: Arc<BatchShared>,
     (i, p, alive, begun): Waiting,
     cancelable: bool,
+    shared: bool,
 ) {
     let r = &p.req;
     if !batch.lock().start(i) {
@@ -1295,14 +1303,17 @@ async fn run_task(
         if r.len <= s.slice_size {
             // One slice: no stream machinery on the latency path.
             peer.link
-                .execute(r.slice(&p.buf.region, &key, 0, r.len))
+                .execute(r.slice(&p.buf.region, &key, 0, r.len, !shared))
                 .await?;
             batch.progress(i, r.len);
             return Ok(());
         }
         let mut pending = futures_util::stream::iter(slices(r.len, s.slice_size))
             .map(|(off, len)| {
-                let fut = peer.link.execute(r.slice(&p.buf.region, &key, off, len));
+                // Polled together on this task: none may hold the thread.
+                let fut = peer
+                    .link
+                    .execute(r.slice(&p.buf.region, &key, off, len, false));
                 async move { fut.await.map(|()| len) }
             })
             .buffer_unordered(s.in_flight.max(1));
@@ -1400,7 +1411,7 @@ impl EngineInner {
             return Some((i, p, alive, None));
         }
         let key = r.grant.key(peer.info.transport).map(Arc::from);
-        let op = r.slice(&p.buf.region, &key, 0, r.len);
+        let op = r.slice(&p.buf.region, &key, 0, r.len, alone);
         let span = transfer_span(i, r);
         span.record("transport", peer.info.transport.as_str())
             .record("device", peer.info.device.as_str());
@@ -1439,7 +1450,7 @@ impl EngineInner {
             .iter()
             .map(|p| {
                 let key = p.req.grant.key(peer.info.transport).map(Arc::from);
-                p.req.slice(&p.buf.region, &key, 0, p.req.len)
+                p.req.slice(&p.buf.region, &key, 0, p.req.len, false)
             })
             .collect();
         let futures = peer.link.start_batch(&ops)?;

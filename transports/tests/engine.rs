@@ -1031,3 +1031,44 @@ async fn rdma_queue_pair_setup_needs_the_engines_secret() {
     assert_eq!(err.kind(), ErrorKind::AccessDenied, "{err}");
     assert!(err.detail().contains("secret"), "{err}");
 }
+
+/// `transfer()` drives a batch's requests on the caller's task. A tcp slice that held the
+/// thread while it waited for its reply kept the batch's other slices from even being sent,
+/// so a batch of small writes went out one round trip at a time on one connection. Now every
+/// stream of the link carries one of them at once: the sender dialed one connection per
+/// stream, and every byte landed. (shm sends such a batch as one group, one round trip on
+/// one connection, by design.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_small_writes_is_in_flight_on_every_tcp_stream() {
+    let transport = "tcp";
+    const N: u64 = 8;
+    const LEN: u64 = 4096;
+    let e = engines(transport, 2).await;
+    let (a, b) = (&e[0], &e[1]);
+    let src = a.allocate(N * LEN).unwrap();
+    let want = pattern(31, (N * LEN) as usize);
+    src.write(0, &want).unwrap();
+    let dst = b.allocate(N * LEN).unwrap();
+    let g = b.grant(&dst, 0, N * LEN, Access::Write).unwrap();
+    // The first write connects: one connection.
+    a.transfer(vec![Request::write(&src, 0, &g, 0, LEN)], T)
+        .await
+        .unwrap();
+    assert_eq!(a.usage().connections, 1, "{transport}");
+    let batch = (0..N)
+        .map(|k| Request::write(&src, k * LEN, &g, k * LEN, LEN))
+        .collect();
+    a.transfer(batch, T).await.unwrap();
+    // The tests' engines run two streams (common::config).
+    assert_eq!(
+        a.usage().connections,
+        2,
+        "{transport}: the batch's writes went out one after another"
+    );
+    b.revoke(&g);
+    let mut got = vec![0u8; (N * LEN) as usize];
+    dst.read(0, &mut got).unwrap();
+    assert!(got == want, "{transport}: bytes differ");
+    assert_idle(a).await;
+    assert_idle(b).await;
+}

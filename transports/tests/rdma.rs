@@ -660,6 +660,7 @@ mod transport {
                 tag: 7,
                 request_offset: off,
                 request_len: len,
+                alone: true,
             })
             .await?;
             off += n;
@@ -1441,6 +1442,7 @@ fn two_nodes_push_pull_and_revoke() {
                     tag: 1,
                     request_offset: off,
                     request_len: len,
+                    alone: true,
                 }))?;
                 off += n;
             }

@@ -450,6 +450,7 @@ mod tests {
             tag: 7,
             request_offset: 2000,
             request_len: 5000,
+            alone: true,
         };
         let (h, t) = split(&op, 300);
         assert_eq!(
@@ -488,6 +489,7 @@ mod tests {
             tag,
             request_offset,
             request_len: 5000,
+            alone: true,
         };
         assert_eq!(f.strike(&op(7, 0, 1000)), None);
         assert_eq!(

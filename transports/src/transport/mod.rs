@@ -101,6 +101,12 @@ pub struct SliceOp {
     /// Where this slice starts within its request, and the request's whole length.
     pub request_offset: u64,
     pub request_len: u64,
+    /// Whether this is the only slice its task drives. Only then may a link hold the thread
+    /// while it waits for the reply (tcp, shm): where one task drives several slices (a
+    /// batch's requests in `Engine::transfer`, a request's slices), holding the thread
+    /// keeps the others from even being sent, and a batch of small writes goes out one
+    /// round trip at a time.
+    pub alone: bool,
 }
 
 /// What a link is, for logs and reports: "this ran over tcp to 10.0.0.2:4000".

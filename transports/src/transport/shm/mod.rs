@@ -650,8 +650,9 @@ impl LinkShared {
             Some(c) => c,
             None => dial(&self.socket, &self.live).await?,
         };
-        // Alone on the link, hold the thread for the reply; else let other slices run.
-        let alone = self.slots.available_permits() + 1 >= self.cfg.streams.max(1);
+        // Alone on the link and on its task, hold the thread for the reply; else let other
+        // slices run.
+        let alone = op.alone && self.slots.available_permits() + 1 >= self.cfg.streams.max(1);
         // If this future is dropped mid-request, `conn` drops with it, out of sync or not.
         if !conn.shared.contains(&share_id) {
             let share = self.share_request(share_id, fd, file_len);
@@ -1173,6 +1174,7 @@ mod tests {
             tag: 0,
             request_offset: 0,
             request_len: 64,
+            alone: true,
         }
     }
 

@@ -791,9 +791,10 @@ impl LinkShared {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         // If this future is dropped mid-slice, `conn` drops with it: a half-sent frame never
         // goes back into the pool.
-        // Alone on the link, the reply is best awaited holding the thread; with other slices
-        // in flight, holding it would keep them from being sent and read meanwhile.
-        let alone = self.slots.available_permits() + 1 >= self.cfg.streams.max(1);
+        // Alone on the link and on its task, the reply is best awaited holding the thread;
+        // with other slices in flight or waiting on this task to be sent ([`SliceOp::alone`]),
+        // holding it would keep them from being sent and read meanwhile.
+        let alone = op.alone && self.slots.available_permits() + 1 >= self.cfg.streams.max(1);
         match run_slice(&conn, req, &op, &self.cfg, alone).await {
             Ok(reply) => {
                 self.idle().push(conn);
