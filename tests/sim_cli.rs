@@ -321,3 +321,62 @@ fn the_tcp_bench_counts_both_engines_cpu_time() {
     assert!(text(&o).contains("ns of CPU a byte"), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `--gap-busy` spends the pause spinning on the timing thread, not asleep: the CPU time the
+/// bench counts around its writes (pauses included) holds every pause's 2 ms then, and
+/// none of it asleep. Without `--gap-us` there is no pause to spend.
+#[test]
+fn a_busy_gap_is_spent_on_a_core() {
+    if !std::path::Path::new("/proc/self/task").exists() {
+        return; // no /proc: no CPU figure to read
+    }
+    const GAP_NS: f64 = 2e6;
+    let d = dir("bench-gap-busy");
+    let cpu_per_write = |busy: bool| {
+        let json = d.join(format!("busy-{busy}.json"));
+        let mut args = vec![
+            "bench",
+            "transfer",
+            "--transport",
+            "tcp",
+            "--runtime",
+            "multi",
+            "--sizes",
+            "4K",
+            "--min-iters",
+            "10",
+            "--max-iters",
+            "10",
+            "--gap-us",
+            "2000",
+            "--json",
+            json.to_str().unwrap(),
+        ];
+        if busy {
+            args.push("--gap-busy");
+        }
+        let o = omnirig(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let w = r["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["op"] == "write")
+            .unwrap()
+            .clone();
+        w["cpu_ns_per_byte"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{w}"))
+            * 4096.0
+    };
+    let busy = cpu_per_write(true);
+    let asleep = cpu_per_write(false);
+    assert!(busy >= 0.9 * GAP_NS, "{busy} ns of CPU a write, busy");
+    assert!(asleep < 0.5 * GAP_NS, "{asleep} ns of CPU a write, asleep");
+    let o = omnirig(&["bench", "transfer", "--gap-busy"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--gap-us"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&d);
+}

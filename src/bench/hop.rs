@@ -512,7 +512,7 @@ async fn suite(o: &Options) -> anyhow::Result<Vec<Row>> {
             &mut raw_buf[..p.total as usize],
             per * rounds,
             o.tcp.busy_poll,
-            std::time::Duration::ZERO,
+            super::transfer::Gap::default(),
         )?;
         let floor = {
             let m = floor.measured();

@@ -42,7 +42,7 @@ pub struct Options {
     pub runtime: Runtime,
     /// Pause before each timed transfer (and each raw round trip), so a peer that parks
     /// between requests, as a pipeline stage does, is measured cold. Zero: back to back.
-    pub gap: Duration,
+    pub gap: Gap,
     /// tcp: requests per timed transfer, at consecutive offsets (1: one request).
     pub batch: usize,
     /// rdma: the far node's `omnirig bench peer --mode rdma-engine` (None: both engines here).
@@ -133,7 +133,7 @@ async fn time_engine(
     engine: &Engine,
     reqs: Vec<Request>,
     iters: usize,
-    gap: Duration,
+    gap: Gap,
 ) -> anyhow::Result<Samples> {
     Ok(time_engine_cpu(engine, reqs, iters, gap, || None).await?.0)
 }
@@ -145,7 +145,7 @@ async fn time_engine_cpu(
     engine: &Engine,
     reqs: Vec<Request>,
     iters: usize,
-    gap: Duration,
+    gap: Gap,
     cpu: impl Fn() -> Option<u64>,
 ) -> anyhow::Result<(Samples, Option<(u64, Duration)>)> {
     let mut s = Samples::new(reqs.iter().map(|r| r.len).sum());
@@ -164,11 +164,36 @@ async fn time_engine_cpu(
     Ok((s, used))
 }
 
-/// The `--gap-us` pause: a thread sleep (tokio's timer rounds to whole milliseconds), so
-/// the peer's threads, not this one's, are what park.
-fn pause(gap: Duration) {
-    if !gap.is_zero() {
-        std::thread::sleep(gap);
+/// The pause before each timed transfer (`--gap-us`, `--gap-busy`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Gap {
+    /// Zero: back to back.
+    pub len: Duration,
+    /// Spent spinning on the timing thread instead of asleep: the peer parks, this side
+    /// does not, as in a stage that computes its outputs right up to sending them.
+    pub busy: bool,
+}
+
+impl Gap {
+    /// A pause asleep.
+    pub fn asleep(len: Duration) -> Self {
+        Self { len, busy: false }
+    }
+}
+
+/// The pause: a thread sleep (tokio's timer rounds to whole milliseconds), or a spin on
+/// this thread where `busy`.
+fn pause(gap: Gap) {
+    if gap.len.is_zero() {
+        return;
+    }
+    if gap.busy {
+        let t = Instant::now();
+        while t.elapsed() < gap.len {
+            std::hint::spin_loop();
+        }
+    } else {
+        std::thread::sleep(gap.len);
     }
 }
 
@@ -540,7 +565,7 @@ async fn against_memcpy(
     read: &Request,
     (msrc, mdst): (&Region, &Region),
     iters: usize,
-    gap: Duration,
+    gap: Gap,
 ) -> anyhow::Result<(Samples, Samples, Samples)> {
     let size = write.len;
     let (mut base, mut w, mut r) = (Samples::new(size), Samples::new(size), Samples::new(size));
@@ -583,7 +608,7 @@ pub fn best_raw(
     buf: &mut [u8],
     iters: usize,
     spin: Duration,
-    gap: Duration,
+    gap: Gap,
 ) -> anyhow::Result<(&'static str, Samples)> {
     let blocking = time_raw(s, op, buf, iters, Duration::ZERO, gap)?;
     if spin.is_zero() {
@@ -604,7 +629,7 @@ fn time_raw(
     buf: &mut [u8],
     iters: usize,
     spin: Duration,
-    gap: Duration,
+    gap: Gap,
 ) -> anyhow::Result<Samples> {
     let size = buf.len();
     let mut h = [0u8; RAW_HEADER];

@@ -192,6 +192,12 @@ pub struct TransferArgs {
     /// models). 0: back to back.
     #[arg(long, default_value_t = 0)]
     gap_us: u64,
+    /// Spend each `--gap-us` pause spinning on the timing thread instead of asleep: the peer
+    /// parks, this side stays busy, as in a stage that computes its outputs right up to
+    /// sending them (docs/benchmarks.md: over tcp here a cold batch then pays about one
+    /// wake-up, not one per write).
+    #[arg(long, requires = "gap_us")]
+    gap_busy: bool,
     /// tcp: requests per timed transfer, each of the size, at consecutive offsets (a batch,
     /// as a stage's KV handoff moves its 96 tensors): the row's time is the whole batch's,
     /// what `simulate --calibrate-cpu` reads a write's own cost from (the raw-socket
@@ -289,7 +295,10 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     TransportKind::Rdma => transfer::Runtime::Multi,
                     _ => transfer::Runtime::Current,
                 }),
-                gap: std::time::Duration::from_micros(a.gap_us),
+                gap: transfer::Gap {
+                    len: std::time::Duration::from_micros(a.gap_us),
+                    busy: a.gap_busy,
+                },
                 batch: a.batch,
                 peer: a.peer,
                 peer_wait: std::time::Duration::from_secs(a.peer_wait_s),

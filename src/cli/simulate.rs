@@ -192,7 +192,7 @@ fn engine_write(
         completion_spin: None,
         max_outstanding: None,
         runtime: transfer::Runtime::Multi,
-        gap,
+        gap: transfer::Gap::asleep(gap),
         batch,
         peer: None,
         peer_wait: std::time::Duration::ZERO,
