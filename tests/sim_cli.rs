@@ -123,17 +123,20 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
     // The "measured" run: the same requests over loopback, for real.
     let scenarios = d.join("scenarios");
     let out = d.join("out");
-    let o = omnirig(&[
-        "simulate",
-        "--scenario",
-        s,
-        "--concurrency",
-        "2",
-        "--rounds",
-        "1",
-        "--scenarios-out",
-        scenarios.to_str().unwrap(),
-    ]);
+    let simulate = |more: &[&str]| {
+        let mut args = vec![
+            "simulate",
+            "--scenario",
+            s,
+            "--concurrency",
+            "2",
+            "--rounds",
+            "1",
+        ];
+        args.extend_from_slice(more);
+        omnirig(&args)
+    };
+    let o = simulate(&["--scenarios-out", scenarios.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
     let measured = d.join("measured");
     let o = omnirig(&[
@@ -146,19 +149,15 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
         "-q",
     ]);
     assert!(o.status.success(), "{}", text(&o));
-    let o = omnirig(&[
-        "simulate",
-        "--scenario",
-        s,
-        "--concurrency",
-        "2",
-        "--rounds",
-        "1",
-        "--measured",
-        measured.join("report.json").to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let compare = |report: &std::path::Path, out: &std::path::Path| {
+        simulate(&[
+            "--measured",
+            report.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let o = compare(&measured.join("report.json"), &out);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("| 2 | kv_cache |"), "{t}");
@@ -225,22 +224,7 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
     let packed = enc.finish().unwrap();
     std::fs::write(&gz, &packed).unwrap();
     let out_gz = d.join("out-gz");
-    let simulate_gz = |report: &std::path::Path, out: &std::path::Path| {
-        omnirig(&[
-            "simulate",
-            "--scenario",
-            s,
-            "--concurrency",
-            "2",
-            "--rounds",
-            "1",
-            "--measured",
-            report.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
-    };
-    let o = simulate_gz(&gz, &out_gz);
+    let o = compare(&gz, &out_gz);
     assert!(o.status.success(), "{}", text(&o));
     let scored = |dir: &std::path::Path| {
         let md = std::fs::read_to_string(dir.join("simulate.md")).unwrap();
@@ -253,7 +237,7 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
     assert_eq!(scored(&out_gz), scored(&out));
     let cut = d.join("cut.json.gz");
     std::fs::write(&cut, &packed[..packed.len() / 2]).unwrap();
-    let o = simulate_gz(&cut, &d.join("out-cut"));
+    let o = compare(&cut, &d.join("out-cut"));
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(
         text(&o).contains("cut.json.gz: gzip data that does not decompress"),
@@ -265,6 +249,49 @@ fn simulate_predicts_and_compares_with_a_measured_run() {
     assert!(text(&o).contains("--concurrency: \"0\""), "{}", text(&o));
 }
 
+/// `bench transfer` over tcp on the multi-thread runtime, `iters` writes and reads of
+/// `size`, with `more` options: its output and its JSON's rows.
+fn tcp_bench(d: &std::path::Path, size: &str, iters: &str, more: &[&str]) -> (Output, Rows) {
+    let json = d.join(format!("{size}-{}.json", more.join("")));
+    let mut args = vec![
+        "bench",
+        "transfer",
+        "--transport",
+        "tcp",
+        "--runtime",
+        "multi",
+        "--sizes",
+        size,
+        "--min-iters",
+        iters,
+        "--max-iters",
+        iters,
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    args.extend_from_slice(more);
+    let o = omnirig(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (o, Rows(r))
+}
+
+/// A bench's JSON, by row.
+struct Rows(serde_json::Value);
+
+impl Rows {
+    fn row(&self, op: &str) -> serde_json::Value {
+        self.0["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["op"] == op)
+            .unwrap_or_else(|| panic!("no {op} row in {}", self.0))
+            .clone()
+    }
+}
+
 /// The host model's copy is read from the engine's own bulk transfer: `bench transfer`'s tcp
 /// write row carries the CPU time both engines' processes spent a byte and the cores they
 /// kept busy (Linux's schedstat); the read row, which the calibration does not use, none.
@@ -274,38 +301,8 @@ fn the_tcp_bench_counts_both_engines_cpu_time() {
         return; // no /proc: the figure is None, as documented
     }
     let d = dir("bench-cpu");
-    let json = d.join("t.json");
-    let o = omnirig(&[
-        "bench",
-        "transfer",
-        "--transport",
-        "tcp",
-        "--runtime",
-        "multi",
-        "--sizes",
-        "1M",
-        "--batch",
-        "4",
-        "--min-iters",
-        "5",
-        "--max-iters",
-        "5",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let row = |op: &str| {
-        r["rows"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|x| x["op"] == op)
-            .unwrap_or_else(|| panic!("no {op} row in {r}"))
-            .clone()
-    };
-    let w = row("write");
+    let (o, r) = tcp_bench(&d, "1M", "5", &["--batch", "4"]);
+    let w = r.row("write");
     let per = w["cpu_ns_per_byte"]
         .as_f64()
         .unwrap_or_else(|| panic!("{w}"));
@@ -317,7 +314,7 @@ fn the_tcp_bench_counts_both_engines_cpu_time() {
         cores > 0.0 && cores <= have + 0.5,
         "{cores} cores busy of {have}: {w}"
     );
-    assert!(row("read").get("cpu_ns_per_byte").is_none(), "{r}");
+    assert!(r.row("read").get("cpu_ns_per_byte").is_none(), "{}", r.0);
     assert!(text(&o).contains("ns of CPU a byte"), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -332,47 +329,15 @@ fn a_busy_gap_is_spent_on_a_core() {
     }
     const GAP_NS: f64 = 2e6;
     let d = dir("bench-gap-busy");
-    let cpu_per_write = |busy: bool| {
-        let json = d.join(format!("busy-{busy}.json"));
-        let mut args = vec![
-            "bench",
-            "transfer",
-            "--transport",
-            "tcp",
-            "--runtime",
-            "multi",
-            "--sizes",
-            "4K",
-            "--min-iters",
-            "10",
-            "--max-iters",
-            "10",
-            "--gap-us",
-            "2000",
-            "--json",
-            json.to_str().unwrap(),
-        ];
-        if busy {
-            args.push("--gap-busy");
-        }
-        let o = omnirig(&args);
-        assert!(o.status.success(), "{}", text(&o));
-        let r: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-        let w = r["rows"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|x| x["op"] == "write")
-            .unwrap()
-            .clone();
+    let cpu_per_write = |more: &[&str]| {
+        let w = tcp_bench(&d, "4K", "10", more).1.row("write");
         w["cpu_ns_per_byte"]
             .as_f64()
             .unwrap_or_else(|| panic!("{w}"))
             * 4096.0
     };
-    let busy = cpu_per_write(true);
-    let asleep = cpu_per_write(false);
+    let busy = cpu_per_write(&["--gap-us", "2000", "--gap-busy"]);
+    let asleep = cpu_per_write(&["--gap-us", "2000"]);
     assert!(busy >= 0.9 * GAP_NS, "{busy} ns of CPU a write, busy");
     assert!(asleep < 0.5 * GAP_NS, "{asleep} ns of CPU a write, asleep");
     let o = omnirig(&["bench", "transfer", "--gap-busy"]);
